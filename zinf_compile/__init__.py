@@ -1,0 +1,27 @@
+"""zinf_compile: ZeRO-Infinity as a ``torch.compile`` backend.
+
+    cmodel = torch.compile(model, backend="zinf", options={"offload_params": "cpu"})
+    opt = zinf_compile.optim.AdamW(model.parameters(), lr=3e-4)
+
+Parameters are sharded 1/dp per rank into the runtime's store; see README.md.
+"""
+
+from zinf_runtime import memory_stats, reset_peak_memory_stats
+
+from . import optim
+from .backend import zinf_backend
+from .config import Config
+from .pipeline import compile_records, last_graphs
+from .state import full_state_dict, gathered
+
+__all__ = [
+    "Config",
+    "optim",
+    "zinf_backend",
+    "full_state_dict",
+    "gathered",
+    "last_graphs",
+    "compile_records",
+    "memory_stats",
+    "reset_peak_memory_stats",
+]

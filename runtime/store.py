@@ -1,0 +1,291 @@
+"""The parameter store: each parameter's 1/dp fp32 shard, its gradient shard and its compute copies.
+
+A partitioned ``nn.Parameter`` keeps its full shape, dtype and ``requires_grad`` (so Dynamo's fakes and
+guards see nothing new) but its storage is resized to 0 bytes: the data lives here, as the flat
+parameter padded to ``dp * shard_numel`` elements, of which this rank owns one slice::
+
+    before: p.untyped_storage() -> numel * 4 bytes on the device
+    after:  p.untyped_storage() -> 0 bytes;  store[p._zinf_uid].master -> shard_numel fp32 on a tier
+
+Graphs reach the store only through ``torch.ops.zinf.*`` ops carrying the integer ``uid``
+(``zinf_runtime.ops``); the optimizer reaches it through the parameter's ``_zinf_uid`` attribute.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence
+
+import torch
+
+from . import accounting, comm
+
+UID_ATTR = "_zinf_uid"
+_uids = itertools.count(1)
+_handles: Dict[int, "ParamHandle"] = {}
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a parameter's shards live and how they are reduced; fixed at partition time."""
+
+    tier: str  # "device" or "cpu"
+    compute_device: torch.device
+    group: Optional[object] = None  # torch.distributed ProcessGroup or None (default group / dp=1)
+
+    def storage_device(self) -> torch.device:
+        return self.compute_device if self.tier == "device" else torch.device("cpu")
+
+
+def _nbytes(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class ParamHandle:
+    """One partitioned parameter: fp32 master shard, gradient shard, cached compute-dtype copies."""
+
+    def __init__(self, param: torch.nn.Parameter, name: str, placement: Placement, flat: torch.Tensor):
+        self.uid = next(_uids)
+        self.name = name
+        self.shape = tuple(param.shape)
+        self.dtype = param.dtype
+        self.numel = param.numel()
+        self.placement = placement
+        self.world = comm.world_size(placement.group)
+        self.rank = comm.rank(placement.group)
+        self.shard_numel = -(-self.numel // self.world)
+        self.padded_numel = self.shard_numel * self.world
+        self.requires_grad = param.requires_grad
+        self._param_ref = weakref.ref(param)
+        lo = self.rank * self.shard_numel
+        own = flat[lo : min(lo + self.shard_numel, self.numel)]
+        dev = placement.storage_device()
+        self.master = torch.zeros(self.shard_numel, dtype=torch.float32, device=dev)
+        self.master[: own.numel()].copy_(own)
+        if dev.type == "cpu" and placement.compute_device.type == "cuda":
+            self.master = self.master.pin_memory()
+        self.grad: Optional[torch.Tensor] = None
+        self._compute: Dict[torch.dtype, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        accounting.add(placement.tier, "param", _nbytes(self.master))
+
+    # -- parameter data ------------------------------------------------------------------------
+    def param(self) -> Optional[torch.nn.Parameter]:
+        return self._param_ref()
+
+    def shard_in(self, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's shard in ``dtype``, on its tier; compute-dtype copies are cached per step."""
+        if dtype == torch.float32:
+            return self.master
+        with self._lock:
+            cached = self._compute.get(dtype)
+            if cached is None:
+                cached = self.master.to(dtype)
+                self._compute[dtype] = cached
+                accounting.add(self.placement.tier, "param", _nbytes(cached))
+            return cached
+
+    def master_updated(self) -> None:
+        """Drop compute copies after the optimizer changed the master shard."""
+        with self._lock:
+            for t in self._compute.values():
+                accounting.sub(self.placement.tier, "param", _nbytes(t))
+            self._compute.clear()
+
+    def fetch_shard(self, dtype: torch.dtype) -> torch.Tensor:
+        """A private copy of this rank's shard on the compute device (never the master itself)."""
+        src = self.shard_in(dtype)
+        out = torch.empty(self.shard_numel, dtype=dtype, device=self.placement.compute_device)
+        out.copy_(src, non_blocking=src.is_pinned())
+        if self.world == 1:  # the shard is the whole parameter: it is what gets released
+            accounting.add("device", "gathered", out.untyped_storage().nbytes())
+        return out
+
+    def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """The full parameter from every rank's shard; accounted as gathered bytes until released."""
+        if self.world == 1:
+            return shard.view(self.shape)  # for eager callers; graphs use a view node instead
+        buf = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
+        comm.all_gather_flat(buf, shard, self.placement.group)
+        accounting.add("device", "gathered", buf.untyped_storage().nbytes())
+        return buf[: self.numel].view(self.shape)
+
+    @staticmethod
+    def release(full: torch.Tensor) -> None:
+        """Free a gathered parameter's storage now, whoever still holds a reference."""
+        storage = full.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes:
+            storage.resize_(0)
+            accounting.sub("device", "gathered", nbytes)
+
+    def full_data(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The full parameter (collective when dp > 1), as a fresh tensor on the compute device."""
+        gathered = self.all_gather(self.fetch_shard(dtype))
+        full = gathered.clone()
+        self.release(gathered)
+        return full
+
+    def load_full(self, full: torch.Tensor) -> None:
+        """Overwrite this rank's master shard from a full tensor (same values on every rank)."""
+        flat = full.detach().reshape(-1)
+        lo = self.rank * self.shard_numel
+        own = flat[lo : min(lo + self.shard_numel, self.numel)]
+        with torch.no_grad():
+            self.master.zero_()
+            self.master[: own.numel()].copy_(own)
+        self.master_updated()
+
+    # -- gradients -----------------------------------------------------------------------------
+    def reduce_grad(self, grad: torch.Tensor) -> None:
+        """Reduce-scatter (mean over dp) ``grad`` and accumulate into the fp32 gradient shard."""
+        flat = grad.detach().reshape(-1).to(torch.float32)
+        if self.world == 1:
+            shard = flat
+        else:
+            if self.padded_numel != self.numel:
+                flat = torch.nn.functional.pad(flat, (0, self.padded_numel - self.numel))
+            shard = torch.empty(self.shard_numel, dtype=torch.float32, device=flat.device)
+            comm.reduce_scatter_flat(shard, flat.contiguous(), self.placement.group)
+            shard.div_(self.world)
+        dev = self.placement.storage_device()
+        if self.grad is None:
+            self.grad = shard.to(dev, copy=True)
+            accounting.add(self.placement.tier, "grad", _nbytes(self.grad))
+        else:
+            self.grad.add_(shard.to(dev))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.grad is None:
+            return
+        if set_to_none:
+            accounting.sub(self.placement.tier, "grad", _nbytes(self.grad))
+            self.grad = None
+        else:
+            self.grad.zero_()
+
+    def _free(self) -> None:
+        accounting.sub(self.placement.tier, "param", _nbytes(self.master))
+        self.master_updated()
+        self.zero_grad()
+
+
+def handle_of(param: torch.Tensor) -> Optional[ParamHandle]:
+    uid = getattr(param, UID_ATTR, None)
+    return None if uid is None else _handles.get(uid)
+
+
+def get(uid: int) -> ParamHandle:
+    try:
+        return _handles[uid]
+    except KeyError:
+        raise RuntimeError(
+            f"zinf: no partitioned parameter with uid {uid}; the parameter was garbage-collected or the "
+            "graph was compiled in another process. Recompile the model (torch._dynamo.reset())."
+        ) from None
+
+
+def handles() -> List[ParamHandle]:
+    return list(_handles.values())
+
+
+def is_partitioned(param: torch.Tensor) -> bool:
+    return handle_of(param) is not None
+
+
+def _forget(uid: int) -> None:
+    h = _handles.pop(uid, None)
+    if h is not None:
+        h._free()
+
+
+def _free_storage(params: Sequence[torch.nn.Parameter]) -> None:
+    """Resize each parameter's storage to 0 bytes, after every shard was copied out.
+
+    A parameter that shares its storage with other tensors (a view into a flat buffer) first gets a
+    private storage, so resizing cannot destroy data still owned by someone else.
+    """
+    for p in params:
+        storage = p.untyped_storage()
+        if p.storage_offset() != 0 or storage.nbytes() != p.numel() * p.element_size():
+            p.data = torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device=p.device)
+        p.untyped_storage().resize_(0)
+
+
+def partition(
+    params: Iterable[tuple[str, torch.nn.Parameter]], placement: Placement, sync_from_rank0: bool = True
+) -> List[int]:
+    """Move each parameter's data into the store (idempotent); return the uids in order.
+
+    With dp > 1 the values of the group's rank 0 win (as in DDP), so ranks that initialised
+    differently still train one model.
+    """
+    items = list(params)
+    new: List[tuple[str, torch.nn.Parameter]] = []
+    with _lock:
+        seen: set[int] = set()
+        for name, p in items:
+            h = handle_of(p)
+            if h is not None:
+                if h.placement != placement:
+                    raise ValueError(
+                        f"zinf: parameter {name!r} is already partitioned with {h.placement}, not "
+                        f"{placement}; compile every graph of a model with the same options."
+                    )
+            elif id(p) not in seen:
+                seen.add(id(p))
+                new.append((name, p))
+        for name, p in new:
+            if p.untyped_storage().nbytes() < p.numel() * p.element_size():
+                raise RuntimeError(f"zinf: parameter {name!r} has no data (storage freed elsewhere)")
+            flat = p.detach().reshape(-1)
+            if comm.world_size(placement.group) > 1 and sync_from_rank0:
+                flat = flat.clone()
+                comm.broadcast(flat, placement.group)
+            h = ParamHandle(p, name, placement, flat)
+            _handles[h.uid] = h
+            setattr(p, UID_ATTR, h.uid)
+            weakref.finalize(p, _forget, h.uid)
+        _free_storage([p for _, p in new])
+    if new:
+        _install_optimizer_guard()
+    return [getattr(p, UID_ATTR) for _, p in items]
+
+
+# -- a guard against stepping partitioned parameters with a plain torch optimizer ----------------
+_guard_installed = False
+
+
+def _optimizer_guard(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    if getattr(optimizer, "_zinf_sharded", False):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            h = handle_of(p)
+            if h is not None:
+                raise RuntimeError(
+                    f"zinf: {type(optimizer).__module__}.{type(optimizer).__name__} cannot step parameter "
+                    f"{h.name!r}: it is partitioned by the zinf backend, its gradient lives in zinf's "
+                    "shards and param.grad is None, so this step would silently do nothing. Use "
+                    "zinf_compile.optim.AdamW / zinf_compile.optim.SGD (same arguments) instead."
+                )
+
+
+def _install_optimizer_guard() -> None:
+    global _guard_installed
+    if not _guard_installed:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(_optimizer_guard)
+        _guard_installed = True
+
+
+def iter_handles(params: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, ParamHandle]]:
+    for p in params:
+        h = handle_of(p)
+        if h is not None:
+            yield p, h

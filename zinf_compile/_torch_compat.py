@@ -1,0 +1,91 @@
+"""Every private torch API zinf uses, wrapped in one place (and tested in tests/test_torch_compat.py).
+
+zinf needs no monkey-patching of Dynamo: parameters keep their shape with 0-byte storage. What it
+does need from torch's internals is AOTAutograd's hooks (partition function, forward/backward
+compilers), the min-cut partitioner, and Inductor's compile entry points with its joint-graph
+custom-pass hook. When a torch release moves one of them, this file is the only one to change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.fx
+
+
+def aot_autograd(**kwargs: Any) -> Callable:
+    from torch._dynamo.backends.common import aot_autograd as _aot
+
+    return _aot(**kwargs)
+
+
+def min_cut_partition(joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+def make_boxed(fn: Callable) -> Callable:
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    return make_boxed_func(fn)
+
+
+def inductor_compile_fx(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], inner_compile: Callable) -> Any:
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+def inductor_compile_fx_inner(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+def custom_graph_pass(fn: Callable[[torch.fx.Graph], None], uuid: str) -> Any:
+    """Wrap ``fn(graph)`` as Inductor's ``CustomGraphPass`` (what its joint-graph hook accepts)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class _Pass(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            fn(graph)
+
+        def uuid(self) -> Any:
+            return uuid
+
+    return _Pass()
+
+
+@contextlib.contextmanager
+def inductor_patches(joint_pre_pass: Any) -> Iterator[None]:
+    """Install our joint-graph pass for one compile; disable caches that would skip our passes.
+
+    The AOTAutograd cache would replay compiled graphs without running our passes (which register
+    per-compile state), so it is off for zinf compiles; Inductor's own FX-graph cache stays on (it
+    keys on the final graph, zinf nodes and their constant uids included).
+    """
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(joint_custom_pre_pass=joint_pre_pass), functorch_config.patch(
+        enable_autograd_cache=False
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def eager_patches() -> Iterator[None]:
+    import torch._functorch.config as functorch_config
+
+    with functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
+def must_recompute_tag() -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_RECOMPUTE
+

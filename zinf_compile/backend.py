@@ -1,0 +1,161 @@
+"""The ``zinf`` Dynamo backend: ``torch.compile(model, backend="zinf", options={...})``.
+
+One call per Dynamo graph. It partitions the graph's parameters into the runtime's store (each rank
+keeps a 1/dp fp32 shard; the parameter keeps its shape with 0-byte storage, so Dynamo needs no
+patching), then traces forward and backward with AOTAutograd and runs zinf's passes::
+
+    Dynamo graph --autocast--> AOTAutograd joint graph --insert_fetch--> min-cut partition
+        forward:   sink_fetch -> insert_release                  -> Inductor (or eager)
+        backward:  sink_fetch -> reduce_grad -> insert_release   -> Inductor (or eager)
+        inference: insert_fetch -> sink_fetch -> insert_release  -> Inductor (or eager)
+
+Every intermediate graph is kept in a ``CompileRecord`` (``zinf_compile.last_graphs()``) and, with
+``dump_dir``, written out as code.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx
+
+import zinf_runtime
+
+from . import _torch_compat
+from .config import Config
+from .passes.autocast import autocast_pass
+from .passes.insert_fetch import insert_fetch_pass
+from .passes.insert_release import insert_release_pass
+from .passes.reduce_grad import reduce_grad_pass
+from .passes.sink_fetch import sink_fetch_pass
+from .pipeline import CompileContext, Pass, ParamInfo, new_record, run_passes
+
+DYNAMO_PASSES: List[Tuple[str, Pass]] = [("autocast", autocast_pass)]
+JOINT_PASSES: List[Tuple[str, Pass]] = [("insert_fetch", insert_fetch_pass)]
+FORWARD_PASSES: List[Tuple[str, Pass]] = [("sink_fetch", sink_fetch_pass), ("insert_release", insert_release_pass)]
+BACKWARD_PASSES: List[Tuple[str, Pass]] = [
+    ("sink_fetch", sink_fetch_pass),
+    ("reduce_grad", reduce_grad_pass),
+    ("insert_release", insert_release_pass),
+]
+INFERENCE_PASSES: List[Tuple[str, Pass]] = JOINT_PASSES + FORWARD_PASSES
+
+
+def _param_name(placeholder: str) -> str:
+    """``L_self_modules_fc1_parameters_weight_`` -> ``fc1.weight`` (for messages and dumps)."""
+    name = re.sub(r"^L_(self_)?", "", placeholder).rstrip("_")
+    name = re.sub(r"_modules_|_parameters_|_buffers_", ".", name)
+    return re.sub(r"^(modules_|parameters_)", "", name)
+
+
+def _graph_name(gm: torch.fx.GraphModule) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", getattr(gm, "_zinf_name", None) or type(gm).__name__)[:40]
+
+
+def zinf_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Any = None,
+                 mode: Optional[str] = None, **kwargs: Any) -> Callable:
+    """Dynamo backend entry point (registered as ``torch_dynamo_backends: zinf``)."""
+    cfg = Config.from_options(options)
+    if mode not in (None, "default"):
+        warnings.warn(f"zinf: torch.compile mode={mode!r} is ignored; zinf uses its own options")
+    if kwargs:
+        raise ValueError(f"zinf backend: unexpected arguments {sorted(kwargs)}; pass settings in options={{...}}")
+    return compile_graph(gm, list(example_inputs), cfg)
+
+
+def _partition_inputs(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: Config) -> dict[int, ParamInfo]:
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    found = [(i, t) for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter)]
+    if not found:
+        return {}
+    devices = {t.device for _, t in found}
+    if len(devices) != 1:
+        raise ValueError(f"zinf: parameters of one graph live on several devices {sorted(map(str, devices))}; "
+                         "move the model to one device before compiling")
+    device = devices.pop()
+    placement = zinf_runtime.Placement(
+        tier="cpu" if cfg.offload_params == "cpu" else "device", compute_device=device, group=cfg.resolved_group()
+    )
+    names = [_param_name(phs[i].name) if i < len(phs) else f"input{i}" for i, _ in found]
+    uids = zinf_runtime.partition([(n, t) for n, (_, t) in zip(names, found)], placement, cfg.sync_module_states)
+    infos = {}
+    for (i, t), uid, name in zip(found, uids, names):
+        h = zinf_runtime.handle_of(t)
+        infos[i] = ParamInfo(i, uid, h.name, tuple(t.shape), t.dtype, h.shard_numel, t.requires_grad, h.world)
+    return infos
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: Config) -> Callable:
+    """Partition, trace, rewrite and compile one Dynamo graph."""
+    record = new_record(_graph_name(gm), cfg)
+    params = _partition_inputs(gm, example_inputs, cfg)
+    device_type = next((example_inputs[i].device.type for i in params), "cpu")
+    ctx = CompileContext(cfg, params, record, device_type)
+    record.counters["graph_inputs"] = len(example_inputs)
+    record.counters["partitioned_inputs"] = len(params)
+    gm = run_passes(gm, example_inputs, DYNAMO_PASSES, ctx=ctx, stage="dynamo")
+    if cfg.compiler == "eager":
+        return _compile_eager(gm, example_inputs, ctx)
+    return _compile_inductor(gm, example_inputs, ctx)
+
+
+def _compile_eager(gm: torch.fx.GraphModule, example_inputs: List[Any], ctx: CompileContext) -> Callable:
+    """AOTAutograd with zinf's partition function; the rewritten graphs run as plain FX code."""
+
+    def partition_fn(joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kw: Any):
+        joint = run_passes(joint, joint_inputs, JOINT_PASSES, ctx=ctx, stage="joint")
+        return _torch_compat.min_cut_partition(joint, joint_inputs, **kw)
+
+    def stage_compiler(stage: str, passes: List[Tuple[str, Pass]]) -> Callable:
+        def compiler(g: torch.fx.GraphModule, inputs: Sequence[Any]) -> Callable:
+            return _torch_compat.make_boxed(run_passes(g, inputs, passes, ctx=ctx, stage=stage))
+
+        return compiler
+
+    backend = _torch_compat.aot_autograd(
+        fw_compiler=stage_compiler("forward", FORWARD_PASSES),
+        bw_compiler=stage_compiler("backward", BACKWARD_PASSES),
+        inference_compiler=stage_compiler("inference", INFERENCE_PASSES),
+        partition_fn=partition_fn,
+        keep_inference_input_mutations=True,
+    )
+    with _torch_compat.eager_patches():
+        return backend(gm, example_inputs)
+
+
+def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: List[Any], ctx: CompileContext) -> Callable:
+    """Inductor's own pipeline, with zinf's joint pass hooked in and zinf's passes before codegen."""
+    n_inputs = len(example_inputs)
+
+    def joint_pass(graph: torch.fx.Graph) -> None:
+        owner = graph.owning_module
+        phs = [n for n in graph.nodes if n.op == "placeholder"]
+        if owner is None or len(phs) < n_inputs or not _matches_params(phs, ctx):
+            return  # a nested subgraph (e.g. a higher-order op body), not our graph
+        stage = "joint" if any(p.name.startswith("tangents") for p in phs) else "inference_joint"
+        run_passes(owner, example_inputs, JOINT_PASSES, ctx=ctx, stage=stage)
+
+    def inner_compile(g: torch.fx.GraphModule, inputs: Sequence[Any], **kw: Any) -> Any:
+        if kw.get("is_backward"):
+            stage, passes = "backward", BACKWARD_PASSES
+        elif kw.get("is_inference"):
+            stage, passes = "inference", INFERENCE_PASSES
+        else:
+            stage, passes = "forward", FORWARD_PASSES
+        g = run_passes(g, inputs, passes, ctx=ctx, stage=stage)
+        return _torch_compat.inductor_compile_fx_inner(g, inputs, **kw)
+
+    custom = _torch_compat.custom_graph_pass(joint_pass, uuid=f"zinf-joint-{ctx.record.id}")
+    with _torch_compat.inductor_patches(custom):
+        return _torch_compat.inductor_compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+def _matches_params(phs: List[torch.fx.Node], ctx: CompileContext) -> bool:
+    for idx, info in ctx.params.items():
+        val = phs[idx].meta.get("val")
+        if val is None or tuple(val.shape) != info.shape or val.dtype != info.dtype:
+            return False
+    return True

@@ -1,0 +1,103 @@
+"""Options of the zinf backend: ``torch.compile(m, backend="zinf", options={...})`` or ``Config(...)``.
+
+Every option is validated up front; an unknown key or a bad value raises ``ValueError`` naming the
+key, the value and the valid choices, before anything is traced or partitioned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+import torch
+
+_CHOICES: dict[str, tuple] = {
+    "offload_params": ("none", "cpu"),
+    "mixed_precision": (None, "bf16", "fp16"),
+    "compiler": ("inductor", "eager"),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Settings of one compile. Fields:
+
+    offload_params: where each rank keeps its fp32 parameter shards (and gradient shards):
+        ``"none"`` on the compute device, ``"cpu"`` in (pinned, with CUDA) host memory.
+    mixed_precision: ``None`` trains in the model's dtype; ``"bf16"``/``"fp16"`` run the model as under
+        ``torch.autocast`` with that dtype, all-gathering parameters in it where every use is a cast,
+        while master weights, gradient shards and optimizer state stay fp32.
+    dump_dir: if set (or env ``ZINF_DUMP_DIR``), every graph after every pass is written there as
+        readable code, one folder per compiled graph.
+    process_group: the data-parallel group that shards parameters; default: the default group when
+        ``torch.distributed`` is initialized, else dp = 1.
+    compiler: ``"inductor"`` compiles the compute between zinf nodes with Inductor (zinf ops stay
+        ordered fallback calls); ``"eager"`` runs the rewritten FX graphs as they are (debugging, tests).
+    sync_module_states: with dp > 1, broadcast parameter values from the group's rank 0 before
+        sharding (as DDP does), so ranks that initialised differently train one model.
+    disabled_passes: names of passes to skip (debugging); see ``zinf_compile.pipeline``.
+    """
+
+    offload_params: str = "none"
+    mixed_precision: Optional[str] = None
+    dump_dir: Optional[str] = field(default_factory=lambda: os.environ.get("ZINF_DUMP_DIR") or None)
+    process_group: Optional[Any] = None
+    compiler: str = "inductor"
+    sync_module_states: bool = True
+    disabled_passes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for key, choices in _CHOICES.items():
+            value = getattr(self, key)
+            if value not in choices:
+                raise ValueError(
+                    f"zinf option {key!r}: invalid value {value!r}; valid choices: {list(choices)}"
+                )
+        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
+            raise ValueError(f"zinf option 'dump_dir': expected a path string, got {self.dump_dir!r}")
+        if not isinstance(self.sync_module_states, bool):
+            raise ValueError(
+                f"zinf option 'sync_module_states': expected True or False, got {self.sync_module_states!r}"
+            )
+        if isinstance(self.disabled_passes, str) or not all(
+            isinstance(p, str) for p in self.disabled_passes
+        ):
+            raise ValueError(
+                f"zinf option 'disabled_passes': expected a tuple of pass names, got {self.disabled_passes!r}"
+            )
+        object.__setattr__(self, "disabled_passes", tuple(self.disabled_passes))
+        if self.process_group is not None:
+            import torch.distributed as dist
+
+            if not isinstance(self.process_group, dist.ProcessGroup):
+                raise ValueError(
+                    f"zinf option 'process_group': expected a torch.distributed.ProcessGroup or None, "
+                    f"got {type(self.process_group).__name__}"
+                )
+
+    @classmethod
+    def from_options(cls, options: Optional[Mapping[str, Any]] = None) -> "Config":
+        """Build from a ``torch.compile`` options dict (or pass a ``Config`` through)."""
+        if options is None:
+            return cls()
+        if isinstance(options, Config):
+            return options
+        if not isinstance(options, Mapping):
+            raise ValueError(f"zinf options must be a dict or zinf_compile.Config, got {type(options).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in options:
+            if key not in names:
+                raise ValueError(
+                    f"zinf option {key!r} (value {options[key]!r}) is unknown; valid options: {names}"
+                )
+        return cls(**dict(options))
+
+    @property
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        return {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[self.mixed_precision]
+
+    def resolved_group(self) -> Optional[Any]:
+        """The process group to shard over, or None for dp = 1 / the default group."""
+        return self.process_group

@@ -1,0 +1,38 @@
+"""The ops contract: the ``torch.ops.zinf.*`` operators passes may insert, and how to recognise them.
+
+The operators are defined and implemented by the runtime (``zinf_runtime.ops``); the compiler only
+names them. Each node a pass inserts carries ``node.meta["zinf"]`` (a dict with at least ``kind``
+and ``uid``) saying why it is there; see ``describe``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.fx
+
+import zinf_runtime  # noqa: F401  (registers torch.ops.zinf.*)
+
+FETCH_SHARD = torch.ops.zinf.fetch_shard.default
+ALL_GATHER = torch.ops.zinf.all_gather.default
+RELEASE = torch.ops.zinf.release.default
+REDUCE_GRAD = torch.ops.zinf.reduce_grad.default
+
+ZINF_OPS = (FETCH_SHARD, ALL_GATHER, RELEASE, REDUCE_GRAD)
+OP_NAMES = {FETCH_SHARD: "fetch_shard", ALL_GATHER: "all_gather", RELEASE: "release", REDUCE_GRAD: "reduce_grad"}
+
+
+def is_zinf(node: torch.fx.Node, op: Optional[Any] = None) -> bool:
+    if node.op != "call_function":
+        return False
+    return node.target is op if op is not None else node.target in ZINF_OPS
+
+
+def tag(node: torch.fx.Node, kind: str, uid: int, **extra: Any) -> None:
+    """Record on the node which pass-level decision it implements (read by dumps and ``zinf inspect``)."""
+    node.meta["zinf"] = {"kind": kind, "uid": uid, **extra}
+
+
+def describe(node: torch.fx.Node) -> Optional[dict]:
+    return node.meta.get("zinf")

@@ -1,0 +1,51 @@
+"""Release every gathered parameter right after its last use (views included).
+
+Runs on the forward, backward and inference graphs after partitioning::
+
+    before: w = zinf.all_gather(s, uid, shape); t = aten.t(w); y = addmm(b, x, t); z = relu(y)
+    after:  w = zinf.all_gather(s, uid, shape); t = aten.t(w); y = addmm(b, x, t)
+            zinf.release(w, uid); z = relu(y)
+
+At dp = 1 the fetched shard is the full parameter (``w`` is a view of it) and is what gets released.
+The last use is taken over ``w`` and everything that may alias it, so freeing the storage can never
+pull data from under a view. A gathered parameter that escapes through the graph's outputs (saved
+for backward, or returned) is not released; that is recorded as a warning, since it means a full
+parameter stays resident.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+
+from ..ops import RELEASE, is_zinf, tag
+from ..pipeline import CompileContext
+from ._graph import alias_closure, positions
+
+
+def insert_release_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: CompileContext) -> torch.fx.GraphModule:
+    graph = gm.graph
+    if any(is_zinf(n, RELEASE) for n in graph.nodes):
+        return gm
+    pos = positions(graph)
+    gathers = [n for n in graph.nodes if n.meta.get("zinf", {}).get("owns_full")]
+    for g in gathers:
+        closure = alias_closure(g)
+        users = {u for a in closure for u in a.users}
+        if any(u.op == "output" for u in users):
+            uid = g.meta["zinf"]["uid"]
+            msg = (f"zinf: gathered parameter {g.meta.get('zinf', {}).get('param', uid)} escapes graph "
+                   f"{ctx.record.name} through its outputs; it stays resident (not released)")
+            ctx.record.warnings.append(msg)
+            ctx.record.counters["gathered_escaped"] += 1
+            warnings.warn(msg)
+            continue
+        last = max(users, key=pos.__getitem__) if users else g
+        with graph.inserting_after(last):
+            rel = graph.call_function(RELEASE, (g, g.meta["zinf"]["uid"]))
+        tag(rel, "release", g.meta["zinf"]["uid"], param=g.meta.get("zinf", {}).get("param"), after=last.name)
+        ctx.record.counters["release_inserted"] += 1
+    return gm
