@@ -7,7 +7,7 @@ partitioned parameter ``p`` (a 0-byte placeholder in the graph) becomes::
     full  = zinf.all_gather(shard, uid, shape)               # every rank's shard -> full parameter
                                                              # (dp = 1: aten.view(shard, shape))
     ...uses of full...
-    zinf.release(full, uid)                                   # storage freed, accounting updated
+    zinf.release(full, uid, [readers...])                     # storage freed, accounting updated
 
 and in backward, the gradient ``g`` of ``p``::
 
@@ -15,7 +15,9 @@ and in backward, the gradient ``g`` of ``p``::
 
 ``release`` and ``reduce_grad`` declare a write to their tensor argument: it is true (the storage
 is freed or consumed) and it is what keeps DCE and Inductor from dropping or reordering them
-before the last reader.
+before the last reader. ``after`` lists the outputs of every reader of ``full``: a data dependency,
+so a scheduler that inlines a reader's computation into a later kernel (Inductor does, for
+pointwise reads) must still compute it before the storage goes.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from . import store
 _lib = torch.library.Library("zinf", "DEF")
 _lib.define("fetch_shard(Tensor param, int uid, int shard_numel, ScalarType dtype) -> Tensor")
 _lib.define("all_gather(Tensor shard, int uid, SymInt[] shape) -> Tensor")
-_lib.define("release(Tensor(a!) full, int uid) -> ()")
+_lib.define("release(Tensor(a!) full, int uid, Tensor[] after) -> ()")
 _lib.define("reduce_grad(Tensor(a!) grad, int uid) -> ()")
 
 
@@ -44,7 +46,7 @@ def _all_gather(shard: torch.Tensor, uid: int, shape: Sequence[int]) -> torch.Te
     return h.all_gather(shard)
 
 
-def _release(full: torch.Tensor, uid: int) -> None:
+def _release(full: torch.Tensor, uid: int, after: Sequence[torch.Tensor]) -> None:
     store.ParamHandle.release(full)
 
 
@@ -72,7 +74,7 @@ def _all_gather_fake(shard: torch.Tensor, uid: int, shape: Sequence[int]) -> tor
 
 
 @torch.library.register_fake("zinf::release")
-def _release_fake(full: torch.Tensor, uid: int) -> None:
+def _release_fake(full: torch.Tensor, uid: int, after: Sequence[torch.Tensor]) -> None:
     return None
 
 
