@@ -1,0 +1,625 @@
+"""NVMe swap engine: the slowest tier of ZeRO-Infinity's memory hierarchy.
+
+Tensors evicted from CPU memory (optimizer state, master weights, cold
+parameters) are written to files under a fast local disk and read back
+into caller-owned tensors.  Design choices, and why:
+
+* Asynchronous.  ``write``/``read`` only enqueue work and return a
+  :class:`SwapHandle`; a small pool of IO threads does ``os.pwritev`` /
+  ``os.preadv`` (which release the GIL) in ``block_size`` chunks, so the
+  training step overlaps with disk traffic.  At most ``queue_depth``
+  chunks are in flight, one per IO thread.
+* O_DIRECT.  Bypassing the page cache keeps swapped state from evicting
+  useful memory and gives the disk's real bandwidth.  O_DIRECT wants
+  4096-byte aligned buffers, offsets and sizes, and ``torch.empty`` is only
+  64-byte aligned, so every IO thread owns a page-aligned slot of an
+  anonymous-mmap bounce-buffer pool (pinned on CUDA machines); tensor bytes
+  are copied through it and files are padded to 4096 bytes (the true size
+  is kept in memory).  Page-aligned CPU tensors (e.g. pinned ones) skip the
+  bounce copy, as does buffered IO.  Filesystems that reject O_DIRECT
+  (EINVAL) fall back to buffered IO once, with a warning.
+* Crash safety.  Each write goes to ``<key>.v<N>.tmp`` and is renamed onto
+  the key's file only when complete, so a failed write (e.g. disk full)
+  leaves the previous version intact and removes its partial file.
+* Ordering.  Requests on the same key run in submission order (a read
+  after a write sees the write); requests on different keys run
+  concurrently.
+* No leaks.  Each engine owns ``<nvme_path>/zinf-<pid>-rank<r>-<random>``
+  (mode 0700), removed by :meth:`SwapEngine.close`, by garbage collection or
+  at interpreter exit; directories of dead runs (their ``.lock`` no longer
+  flock-held) are swept when a new engine starts.
+
+Errors: a bad ``nvme_path`` raises :class:`SwapPathError` and a full disk
+raises :class:`SwapSpaceError` from ``handle.wait()``; both subclass
+:class:`SwapError`, itself an ``OSError``.  Other IO errors are re-raised
+unchanged by ``wait()``.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import itertools
+import mmap
+import os
+import queue
+import resource
+import shutil
+import tempfile
+import threading
+import time
+import urllib.parse
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["SwapConfig", "SwapEngine", "SwapHandle", "SwapError", "SwapPathError", "SwapSpaceError"]
+
+ALIGN = 4096
+_SPACE_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+class SwapError(OSError):
+    """Base class of errors raised by the swap engine."""
+
+
+class SwapPathError(SwapError):
+    """``nvme_path`` is missing, not a directory or not writable."""
+
+
+class SwapSpaceError(SwapError):
+    """The swap filesystem ran out of space (ENOSPC/EFBIG/EDQUOT)."""
+
+
+def _round_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def _past_fsize_limit(end: int) -> bool:
+    """True if writing up to ``end`` exceeds RLIMIT_FSIZE (the kernel then shortens or refuses it)."""
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return soft != resource.RLIM_INFINITY and end > soft
+
+
+@dataclass(frozen=True)
+class SwapConfig:
+    """Swap engine settings; validated eagerly so typos fail at startup."""
+
+    nvme_path: str
+    block_size: int = 1 << 20  # bytes per pread/pwrite call
+    queue_depth: int = 8  # IO threads == chunks in flight
+    buffer_count: int = 4  # bounce-buffer pool: buffer_count mmaps ...
+    buffer_size: int = 64 << 20  # ... of buffer_size bytes at most
+    direct_io: bool = True  # O_DIRECT, falls back to buffered if unsupported
+
+    def __post_init__(self) -> None:
+        def bad(field: str, fix: str) -> ValueError:
+            return ValueError(f"SwapConfig.{field}={getattr(self, field)!r} is invalid; fix: {fix}")
+
+        if not isinstance(self.nvme_path, str) or not self.nvme_path:
+            raise bad("nvme_path", "pass a non-empty directory path on a fast local disk, e.g. '/local_nvme'")
+
+        def pos_int(field: str) -> int:
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise bad(field, "use a positive int")
+            return v
+
+        bs = pos_int("block_size")
+        if bs % ALIGN:
+            raise bad("block_size", f"use a multiple of {ALIGN} (O_DIRECT alignment), e.g. 1<<20")
+        if pos_int("queue_depth") > 256:
+            raise bad("queue_depth", "use 1..256 (one IO thread per request in flight)")
+        pos_int("buffer_count")
+        if pos_int("buffer_size") % bs:
+            raise bad("buffer_size", f"use a multiple of block_size={bs}")
+        if self.buffer_count * (self.buffer_size // bs) < self.queue_depth:
+            raise bad("buffer_count", f"raise buffer_count*buffer_size to >= queue_depth*block_size "
+                      f"= {self.queue_depth * bs} bytes (one block-sized bounce slot per IO thread)")
+        if not isinstance(self.direct_io, bool):
+            raise bad("direct_io", "use True or False")
+
+
+class _BouncePool:
+    """Page-aligned bounce slots of ``block_size`` carved lazily from up to
+    ``buffer_count`` anonymous mmaps of ``buffer_size`` (pinned when CUDA exists)."""
+
+    def __init__(self, cfg: SwapConfig) -> None:
+        self._cfg = cfg
+        self._per_buf = cfg.buffer_size // cfg.block_size
+        self._bufs: list[tuple[mmap.mmap, torch.Tensor]] = []
+        self._pinned: list[int] = []
+        self._lock = threading.Lock()
+
+    def slot(self, i: int) -> tuple[memoryview, torch.Tensor]:
+        """Slot ``i`` as (memoryview for syscalls, uint8 tensor for copies)."""
+        b, j = divmod(i, self._per_buf)
+        with self._lock:
+            while len(self._bufs) <= b:  # map only what queue_depth slots need
+                k = len(self._bufs)
+                slots = min(self._per_buf, self._cfg.queue_depth - k * self._per_buf)
+                m = mmap.mmap(-1, slots * self._cfg.block_size)  # anonymous mmap: page aligned
+                t = torch.frombuffer(m, dtype=torch.uint8)
+                self._pin(t)
+                self._bufs.append((m, t))
+            m, t = self._bufs[b]
+        lo, hi = j * self._cfg.block_size, (j + 1) * self._cfg.block_size
+        return memoryview(m)[lo:hi], t[lo:hi]
+
+    def _pin(self, t: torch.Tensor) -> None:
+        """Page-lock the buffer so GPU<->host copies run at DMA speed."""
+        try:
+            if not torch.cuda.is_available():
+                return
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0))
+            self._pinned.append(t.data_ptr())
+        except Exception as e:  # pragma: no cover - GPU only
+            warnings.warn(f"zinf swap: could not pin bounce buffer ({e}); GPU copies will be slower")
+
+    def close(self) -> None:
+        for ptr in self._pinned:  # pragma: no cover - GPU only
+            try:
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+            except Exception:
+                pass
+        self._pinned.clear()
+        self._bufs.clear()  # mmaps unmap once the last tensor view is gone
+
+
+class SwapHandle:
+    """Completion token of one asynchronous read or write."""
+
+    def __init__(self, kind: str, key: str, data: torch.Tensor, version: int = 0) -> None:
+        self.kind, self.key, self.nbytes = kind, key, data.numel()
+        self._data, self._version = data, version
+        self._path = ""
+        self._fd = -1
+        self._direct = self._opened_direct = False
+        self._lock = threading.Lock()
+        self._remaining = 0
+        self._error: Optional[BaseException] = None
+        self._event = threading.Event()
+        self._callbacks: list[Callable[[], None]] = []
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> "SwapHandle":
+        """Block until the IO finished; re-raise its error in the caller."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"swap {self.kind} of {self.key!r} not done after {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def _then(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
+
+    def __repr__(self) -> str:
+        state = "error" if self._error else "done" if self.done() else "pending"
+        return f"SwapHandle({self.kind} {self.key!r}, {self.nbytes} B, {state})"
+
+
+def _cleanup(dirpath: str, lock_fd: int, q: "queue.SimpleQueue", threads: list, pool: _BouncePool,
+             owner_pid: int) -> None:
+    """Stop IO threads and delete the swap directory (runs once: close/GC/exit)."""
+    if os.getpid() != owner_pid:
+        return  # a forked child exiting must not delete its parent's swap files
+    for _ in threads:
+        q.put(None)
+    for t in threads:
+        if t is not threading.current_thread():
+            t.join()
+    pool.close()
+    shutil.rmtree(dirpath, ignore_errors=True)
+    try:
+        os.close(lock_fd)
+    except OSError:
+        pass
+
+
+def _worker(q: "queue.SimpleQueue", pool: _BouncePool, index: int) -> None:
+    slot = None
+    while True:
+        task = q.get()
+        if task is None:
+            return
+        if slot is None:
+            slot = pool.slot(index)
+        task(slot)
+
+
+def _sweep_stale(root: str) -> None:
+    """Remove swap dirs of dead runs: their owner's flock on .lock is gone."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith("zinf-"):
+            continue
+        d = os.path.join(root, name)
+        try:
+            fd = os.open(os.path.join(d, ".lock"), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue  # not ours, or still being created
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # a live engine holds it
+        shutil.rmtree(d, ignore_errors=True)
+        os.close(fd)
+
+
+class SwapEngine:
+    """Asynchronous tensor swap to files under ``cfg.nvme_path``.
+
+    Raises :class:`SwapPathError` (an ``OSError``) if the path is unusable.
+    Thread-safe; the caller must not modify a tensor passed to ``write`` or
+    touch the ``out`` of ``read`` until the handle's ``wait()`` returns.
+    """
+
+    def __init__(self, cfg: SwapConfig, rank: int = 0) -> None:
+        if not isinstance(cfg, SwapConfig):
+            raise TypeError(f"cfg must be a SwapConfig, got {type(cfg).__name__}")
+        self.cfg, self.rank = cfg, rank
+        root = os.path.abspath(cfg.nvme_path)
+        try:
+            if not os.path.isdir(root):
+                raise FileNotFoundError(errno.ENOENT, "no such directory") if not os.path.exists(root) \
+                    else NotADirectoryError(errno.ENOTDIR, "not a directory")
+            _sweep_stale(root)
+            self.dir = tempfile.mkdtemp(prefix=f"zinf-{os.getpid()}-rank{rank}-", dir=root)  # mode 0700
+            tmp_lock = os.path.join(self.dir, ".lock.tmp")
+            lock_fd = os.open(tmp_lock, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            os.rename(tmp_lock, os.path.join(self.dir, ".lock"))  # visible only once locked
+        except OSError as e:
+            raise SwapPathError(e.errno or errno.EINVAL,
+                                f"zinf swap: cannot use nvme_path {root!r}: {e.strerror or e}; fix: point "
+                                f"SwapConfig.nvme_path at an existing, writable directory on a fast local disk "
+                                f"(e.g. mkdir -p {root} && chmod u+rwx {root})") from e
+        self._direct = cfg.direct_io
+        self._warned = False
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._version = itertools.count(1)
+        self._files: dict[str, tuple[int, int, int]] = {}  # key -> (nbytes, file bytes, version)
+        self._expect: dict[str, tuple[int, int]] = {}  # key -> (nbytes, version) of latest submitted write
+        self._tail: dict[str, SwapHandle] = {}  # key -> last request, for per-key ordering
+        self._inflight = 0
+        self._busy_since = 0.0
+        self._st = dict(disk_bytes=0, peak_disk_bytes=0, bytes_written=0, bytes_read=0,
+                        busy_s=0.0, writes=0, reads=0, zero_copy_bytes=0)
+        self._closed = False
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._pool = _BouncePool(cfg)
+        self._threads = [threading.Thread(target=_worker, args=(self._q, self._pool, i),
+                                          name=f"zinf-swap-{rank}-{i}", daemon=True)
+                         for i in range(cfg.queue_depth)]
+        for t in self._threads:
+            t.start()
+        self._finalizer = weakref.finalize(self, _cleanup, self.dir, lock_fd, self._q, self._threads, self._pool,
+                                          os.getpid())
+
+    # ------------------------------------------------------------------ API
+    def write(self, key: str, tensor: torch.Tensor) -> SwapHandle:
+        """Start writing ``tensor``'s bytes (CPU or CUDA) as the new version of ``key``.
+
+        CUDA tensors are copied on the worker's current stream; sync producers first.
+        """
+        data = self._bytes_of(tensor.contiguous() if not tensor.is_contiguous() else tensor)
+        with self._lock:
+            self._check_open()
+            h = SwapHandle("write", key, data, next(self._version))
+            self._expect[key] = (h.nbytes, h._version)
+            self._st["disk_bytes"] += _round_up(h.nbytes)
+            self._st["peak_disk_bytes"] = max(self._st["peak_disk_bytes"], self._st["disk_bytes"])
+            prev = self._enqueue(h)
+        self._chain(prev, h)
+        return h
+
+    def read(self, key: str, out: torch.Tensor) -> SwapHandle:
+        """Start filling ``out`` (contiguous CPU, any dtype) with ``key``'s bytes."""
+        if out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError(f"read({key!r}): out must be a contiguous CPU tensor, got "
+                             f"device={out.device} contiguous={out.is_contiguous()}")
+        data = self._bytes_of(out)
+        with self._lock:
+            self._check_open()
+            if key not in self._expect:
+                raise KeyError(f"swap key {key!r} was never written (or was removed)")
+            if self._expect[key][0] != data.numel():
+                raise ValueError(f"read({key!r}): out has {data.numel()} bytes but the key holds "
+                                 f"{self._expect[key][0]}; pass a tensor of matching size")
+            h = SwapHandle("read", key, data)
+            prev = self._enqueue(h)
+        self._chain(prev, h)
+        return h
+
+    def exists(self, key: str) -> bool:
+        """True if ``key`` was written (including a still-pending write)."""
+        with self._lock:
+            return key in self._expect
+
+    def nbytes(self, key: str) -> int:
+        """True byte size of ``key``'s latest write; KeyError if absent."""
+        with self._lock:
+            return self._expect[key][0]
+
+    def remove(self, key: str) -> None:
+        """Delete ``key``; waits for its pending requests first."""
+        while True:
+            with self._lock:
+                self._check_open()
+                tail = self._tail.get(key)
+                if tail is None:
+                    self._expect.pop(key, None)
+                    ent = self._files.pop(key, None)
+                    if ent is not None:
+                        self._st["disk_bytes"] -= ent[1]
+                        try:
+                            os.unlink(self._file(key))
+                        except FileNotFoundError:
+                            pass
+                    return
+            tail._event.wait()
+
+    def wait_all(self) -> None:
+        """Block until every submitted request has finished."""
+        with self._idle:
+            while self._inflight:
+                self._idle.wait()
+
+    def stats(self) -> dict:
+        """Disk usage now/peak (padded file bytes), payload bytes moved, request counts
+        and ``busy_s`` (wall seconds with any IO in flight, so bandwidth = bytes / busy_s)."""
+        with self._lock:
+            s = dict(self._st)
+            if self._inflight:
+                s["busy_s"] += time.perf_counter() - self._busy_since
+            s.update(keys=len(self._files), direct_io=self._direct, dir=self.dir)
+            return s
+
+    def close(self) -> None:
+        """Finish pending IO, stop the threads and delete the swap directory."""
+        if self._closed:
+            return
+        self.wait_all()
+        with self._lock:
+            self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> "SwapEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ internals
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("SwapEngine is closed")
+
+    @staticmethod
+    def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().reshape(-1).view(torch.uint8)
+
+    def _file(self, key: str) -> str:
+        # quote() leaves '.' alone; escape it so '<name>.v<N>.tmp' can't collide with a key.
+        name = urllib.parse.quote(key, safe="").replace(".", "%2E")
+        return os.path.join(self.dir, "k_" + name)
+
+    def _enqueue(self, h: SwapHandle) -> Optional[SwapHandle]:
+        """Register ``h`` as the key's newest request (lock held); return its predecessor."""
+        prev = self._tail.get(h.key)
+        self._tail[h.key] = h
+        if self._inflight == 0:
+            self._busy_since = time.perf_counter()
+        self._inflight += 1
+        return prev
+
+    def _chain(self, prev: Optional[SwapHandle], h: SwapHandle) -> None:
+        if prev is None:
+            self._start(h)
+        else:
+            prev._then(lambda: self._start(h))
+
+    # IO hooks: thin wrappers so tests can inject faults.
+    def _sys_open(self, path: str, flags: int) -> int:
+        return os.open(path, flags, 0o600)
+
+    def _sys_pwritev(self, fd: int, bufs: list, offset: int) -> int:
+        return os.pwritev(fd, bufs, offset)
+
+    def _sys_preadv(self, fd: int, bufs: list, offset: int) -> int:
+        return os.preadv(fd, bufs, offset)
+
+    def _fallback(self, path: str, err: OSError) -> None:
+        """Switch the engine to buffered IO, warning once."""
+        self._direct = False
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"zinf swap: O_DIRECT not supported for {path!r} ({err.strerror}); "
+                          f"falling back to buffered IO (uses page cache)", RuntimeWarning, stacklevel=2)
+
+    def _start(self, h: SwapHandle) -> None:
+        """Open the request's file and queue its chunks (runs once its predecessor is done)."""
+        try:
+            if h.kind == "write":
+                final = self._file(h.key)
+                h._path = f"{final}.v{h._version}.tmp"
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+            else:
+                with self._lock:
+                    ent = self._files.get(h.key)
+                if ent is None or ent[0] != h.nbytes:
+                    raise KeyError(f"swap key {h.key!r} has no readable version of {h.nbytes} bytes "
+                                   f"(a preceding write failed?)")
+                h._path = self._file(h.key)
+                flags = os.O_RDONLY | os.O_CLOEXEC
+            h._direct = h._opened_direct = self._direct
+            try:
+                h._fd = self._sys_open(h._path, flags | (os.O_DIRECT if h._direct else 0))
+            except OSError as e:
+                if not h._direct or e.errno != errno.EINVAL:
+                    raise
+                self._fallback(h._path, e)
+                h._direct = h._opened_direct = False
+                h._fd = self._sys_open(h._path, flags & ~os.O_EXCL)  # the failed open may have created it
+            if h.kind == "write" and h.nbytes:
+                try:  # reserve space up front: early ENOSPC, and parallel O_DIRECT writes skip the inode lock
+                    os.posix_fallocate(h._fd, 0, _round_up(h.nbytes))
+                except OSError as e:
+                    if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                        raise
+        except BaseException as e:  # noqa: BLE001 - delivered through wait()
+            h._error = e
+            self._finish(h)
+            return
+        bs = self.cfg.block_size
+        offsets = range(0, h.nbytes, bs)
+        h._remaining = len(offsets)
+        if not offsets:
+            self._finish(h)
+        for off in offsets:
+            self._q.put(lambda slot, off=off: self._chunk(h, off, slot))
+
+    def _chunk(self, h: SwapHandle, off: int, slot: tuple[memoryview, torch.Tensor]) -> None:
+        """Move one block between the bounce slot and the file."""
+        try:
+            if h._error is None:
+                n = min(self.cfg.block_size, h.nbytes - off)
+                padded = _round_up(n)
+                mv, t = slot
+                zc = self._zero_copy(h, off, n)
+                if zc is not None:  # IO straight from/into the tensor, no bounce copy
+                    self._io(h, self._sys_pwritev if h.kind == "write" else self._sys_preadv, zc, off,
+                             need=None if h.kind == "write" else n)
+                    with self._lock:
+                        self._st["zero_copy_bytes"] += n
+                elif h.kind == "write":
+                    t[:n].copy_(h._data[off:off + n])
+                    if padded > n:
+                        t[n:padded].zero_()
+                    self._io(h, self._sys_pwritev, mv[:padded], off)
+                else:
+                    self._io(h, self._sys_preadv, mv[:padded], off, need=n)
+                    h._data[off:off + n].copy_(t[:n])
+        except BaseException as e:  # noqa: BLE001
+            with h._lock:
+                if h._error is None:
+                    h._error = e
+        with h._lock:
+            h._remaining -= 1
+            last = h._remaining == 0
+        if last:
+            self._finish(h)
+
+    @staticmethod
+    def _zero_copy(h: SwapHandle, off: int, n: int) -> Optional[memoryview]:
+        """A view of the tensor's own bytes when the bounce copy is unnecessary: CPU memory
+        and either buffered IO or a page-aligned address and length (e.g. pinned tensors)."""
+        if h._data.device.type != "cpu":
+            return None
+        addr = h._data.data_ptr() + off
+        if h._direct and (addr % ALIGN or n % ALIGN):
+            return None
+        return memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
+
+    def _io(self, h: SwapHandle, fn: Callable, buf: memoryview, off: int, need: Optional[int] = None) -> None:
+        """pwritev/preadv all of ``buf`` at ``off``, handling short IO and O_DIRECT refusal."""
+        done, total = 0, len(buf) if need is None else need
+        retried = False
+        while done < total:
+            try:
+                r = fn(h._fd, [buf[done:]], off + done)
+            except OSError as e:
+                if e.errno != errno.EINVAL or not h._opened_direct or retried:
+                    raise
+                if need is None and _past_fsize_limit(off + len(buf)):
+                    # RLIMIT_FSIZE cut the write to an unaligned length: that is "file too large"
+                    raise OSError(errno.EFBIG, os.strerror(errno.EFBIG)) from e
+                if done:  # unaligned remainder after short IO; for writes: the disk/limit is full
+                    if need is not None:
+                        raise
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from e
+                with h._lock:  # the filesystem refuses O_DIRECT IO: clear the flag on this fd
+                    if h._direct:
+                        fl = fcntl.fcntl(h._fd, fcntl.F_GETFL)
+                        fcntl.fcntl(h._fd, fcntl.F_SETFL, fl & ~os.O_DIRECT)
+                        h._direct = False
+                        self._fallback(h._path, e)
+                retried = True
+                continue
+            if r == 0:
+                if need is not None:
+                    raise EOFError(f"swap file {h._path!r} is truncated at {off + done}")
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            done += r
+
+    def _finish(self, h: SwapHandle) -> None:
+        """Close the fd, commit or roll back a write, update stats, wake waiters."""
+        if h._fd >= 0:
+            try:
+                os.close(h._fd)
+            except OSError as e:
+                h._error = h._error or e
+            h._fd = -1
+        padded = _round_up(h.nbytes)
+        with self._lock:
+            if h.kind == "write":
+                if h._error is None:
+                    try:
+                        os.replace(h._path, self._file(h.key))
+                    except OSError as e:
+                        h._error = e
+                if h._error is None:
+                    old = self._files.get(h.key)
+                    self._files[h.key] = (h.nbytes, padded, h._version)
+                    self._st["disk_bytes"] -= old[1] if old else 0
+                    self._st["bytes_written"] += h.nbytes
+                    self._st["writes"] += 1
+                else:
+                    self._st["disk_bytes"] -= padded
+                    if h._path:
+                        try:
+                            os.unlink(h._path)
+                        except OSError:
+                            pass
+                    if self._expect.get(h.key, (0, 0))[1] == h._version:  # no newer write: revert
+                        old = self._files.get(h.key)
+                        if old is None:
+                            self._expect.pop(h.key, None)
+                        else:
+                            self._expect[h.key] = (old[0], old[2])
+                    e = h._error
+                    if isinstance(e, OSError) and e.errno in _SPACE_ERRNOS and not isinstance(e, SwapError):
+                        h._error = SwapSpaceError(
+                            e.errno, f"zinf swap: out of space writing {h.key!r} to {h._path!r}: needs "
+                            f"{padded} bytes ({h.nbytes} payload); fix: free space on "
+                            f"{self.cfg.nvme_path!r}, point nvme_path at a larger disk or swap less")
+                        h._error.__cause__ = e
+            elif h._error is None:
+                self._st["bytes_read"] += h.nbytes
+                self._st["reads"] += 1
+            if self._tail.get(h.key) is h:
+                del self._tail[h.key]
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._st["busy_s"] += time.perf_counter() - self._busy_since
+                self._idle.notify_all()
+        h._data = None  # drop the tensor reference promptly
+        with h._lock:
+            h._event.set()
+            cbs, h._callbacks = h._callbacks, []
+        for cb in cbs:  # via the queue, not inline: long same-key chains must not recurse
+            self._q.put(lambda slot, cb=cb: cb())
