@@ -1,0 +1,170 @@
+"""Options, mixed precision, memory release, graphs, eager access to parameters, misuse errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import zinf_compile
+from zinf_compile.models import GPT, MLP, GPTConfig, make_batch
+
+from conftest import train_pair
+
+SMALL = GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4)
+
+
+@pytest.mark.parametrize("options, key", [
+    ({"offload_parms": "cpu"}, "offload_parms"),
+    ({"offload_params": "disk"}, "offload_params"),
+    ({"mixed_precision": "fp8"}, "mixed_precision"),
+    ({"compiler": "aot_eager"}, "compiler"),
+    ({"sync_module_states": "yes"}, "sync_module_states"),
+])
+def test_bad_option_names_the_key(options, key):
+    with pytest.raises(ValueError, match=key):
+        zinf_compile.Config.from_options(options)
+    model = MLP()
+    cm = torch.compile(model, backend="zinf", options=options)
+    with pytest.raises(Exception, match=key):
+        cm(torch.randn(2, 16))
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())  # nothing partitioned
+
+
+def test_bad_value_lists_choices():
+    with pytest.raises(ValueError, match=r"'cpu'"):
+        zinf_compile.Config(offload_params="gpu")
+
+
+def test_entry_point_backend_is_registered():
+    from torch._dynamo.backends.registry import list_backends, lookup_backend
+
+    assert "zinf" in list_backends(exclude_tags=())
+    assert lookup_backend("zinf") is zinf_compile.zinf_backend
+
+
+def test_bf16_matches_eager_autocast():
+    batches = [make_batch(SMALL, 4, seed=i) for i in range(3)]
+    rl, zl, ref, m = train_pair(lambda: GPT(SMALL), batches, {"compiler": "eager", "mixed_precision": "bf16"},
+                                autocast=torch.bfloat16, opt="sgd", lr=0.05)
+    torch.testing.assert_close(torch.tensor(zl), torch.tensor(rl), rtol=2e-2, atol=2e-2)
+    full = zinf_compile.full_state_dict(m)
+    for k, v in ref.state_dict().items():
+        assert full[k].dtype == torch.float32  # fp32 master weights
+        torch.testing.assert_close(full[k], v, rtol=2e-2, atol=2e-2, msg=lambda s: f"{k}: {s}")
+    rec = zinf_compile.compile_records()[-1]
+    assert rec.counters["gathered_in_compute_dtype"] > 0  # linear weights all-gathered in bf16
+    fwd = rec.final("forward")
+    assert "torch.bfloat16" in fwd.code and "zinf.fetch_shard" in fwd.code
+
+
+def test_graphs_hold_zinf_nodes_and_gathered_peak_is_bounded():
+    cfg = GPTConfig(vocab=64, seq=16, layers=6, hidden=64, heads=4)
+    model = GPT(cfg)
+    total = sum(p.numel() * 4 for p in model.parameters())
+    emb = model.tok.weight.numel() * 4 + model.pos.weight.numel() * 4
+    assert emb <= 0.15 * total
+    cm = torch.compile(model, backend="zinf", options={"compiler": "eager"})
+    opt = zinf_compile.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = make_batch(cfg, 2, seed=0)
+    cm(x, y).backward(); opt.step(); opt.zero_grad()  # compile
+    zinf_compile.reset_peak_memory_stats()
+    cm(x, y).backward(); opt.step(); opt.zero_grad()
+    gathered = zinf_compile.memory_stats()["device"]["gathered"]
+    assert gathered["current"] == 0
+    assert 0 < gathered["peak"] <= 0.40 * total, (gathered, total)
+    snaps = zinf_compile.last_graphs()
+    fwd = [s for s in snaps if s.stage == "forward"][-1]
+    bwd = [s for s in snaps if s.stage == "backward"][-1]
+    n_params = len(list(model.parameters()))
+    assert fwd.count("zinf.fetch_shard") == n_params and fwd.count("zinf.release") == n_params
+    assert bwd.count("zinf.reduce_grad") == n_params
+    assert bwd.count("zinf.fetch_shard") == bwd.count("zinf.release") > 0
+    # the forward saves no gathered parameter for backward: only 0-byte placeholders
+    assert zinf_compile.compile_records()[-1].counters["gathered_escaped"] == 0
+
+
+def test_inductor_releases_every_gathered_parameter():
+    cfg = GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4)
+    model = GPT(cfg)
+    cm = torch.compile(model, backend="zinf")
+    x, y = make_batch(cfg, 2, seed=0)
+    cm(x, y).backward()
+    stats = zinf_compile.memory_stats()["device"]["gathered"]
+    assert stats["current"] == 0 and stats["peak"] > 0
+
+
+def test_eval_no_grad_and_train_switch():
+    torch.manual_seed(0)
+    ref = GPT(SMALL)
+    model = copy.deepcopy(ref)
+    cm = torch.compile(model, backend="zinf", options={"compiler": "eager"})
+    x, y = make_batch(SMALL, 2, seed=1)
+    model.eval(); ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(cm(x), ref(x), rtol=1e-5, atol=1e-6)
+    model.train(); ref.train()
+    torch.testing.assert_close(cm(x, y), ref(x, y), rtol=1e-5, atol=1e-6)
+    assert any(s.stage == "inference" for s in zinf_compile.last_graphs(all_graphs=True))
+
+
+def test_gathered_reads_and_writes_back():
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    cm = torch.compile(model, backend="zinf", options={"compiler": "eager"})
+    x = torch.randn(3, 16)
+    cm(x)
+    with zinf_compile.gathered(model):
+        torch.testing.assert_close(model.layers[0].weight, ref.layers[0].weight)
+        with torch.no_grad():
+            model.layers[0].weight.mul_(2.0)
+            ref.layers[0].weight.mul_(2.0)
+    assert model.layers[0].weight.untyped_storage().nbytes() == 0
+    torch.testing.assert_close(cm(x), ref(x), rtol=1e-5, atol=1e-6)
+    full = zinf_compile.full_state_dict(model)
+    assert set(full) == set(ref.state_dict())
+    torch.testing.assert_close(full["layers.0.weight"], ref.layers[0].weight)
+
+
+def test_plain_torch_optimizer_on_partitioned_params_raises():
+    model = MLP()
+    cm = torch.compile(model, backend="zinf", options={"compiler": "eager"})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cm(torch.randn(2, 16)).sum().backward()
+    with pytest.raises(RuntimeError, match="zinf_compile.optim.AdamW"):
+        opt.step()
+
+
+def test_clip_grad_norm_matches_torch():
+    batches = [(torch.randn(4, 16),)]
+    torch.manual_seed(0)
+    ref = MLP()
+    model = copy.deepcopy(ref)
+    cm = torch.compile(model, backend="zinf", options={"compiler": "eager"})
+    opt = zinf_compile.optim.SGD(model.parameters(), lr=0.1)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    cm(*batches[0]).pow(2).mean().backward()
+    ref(*batches[0]).pow(2).mean().backward()
+    n = opt.clip_grad_norm_(0.01)
+    rn = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    torch.testing.assert_close(n, rn, rtol=1e-5, atol=1e-7)
+    opt.step(); ropt.step()
+    full = zinf_compile.full_state_dict(model)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_optimizer_state_dict_roundtrip_keys():
+    model = MLP()
+    cm = torch.compile(model, backend="zinf", options={"compiler": "eager"})
+    opt = zinf_compile.optim.AdamW(model.parameters(), lr=1e-3)
+    cm(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    assert len(sd["state"]) == len(list(model.parameters()))
+    assert all("exp_avg" in s for s in sd["state"].values())
+    stats = zinf_compile.memory_stats()["device"]
+    n = len(list(model.parameters()))  # exp_avg + exp_avg_sq in fp32, plus a 4-byte step per parameter
+    assert stats["optim"]["current"] == 2 * stats["param"]["current"] + 4 * n

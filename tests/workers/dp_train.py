@@ -1,0 +1,67 @@
+"""Data-parallel worker, launched by torchrun from tests: trains the GPT-style model under zinf.
+
+Each rank takes its half of the global batch; losses are averaged across ranks (equal halves, so the
+mean of local means is the global mean). Rank 0 writes losses, the full state dict, per-rank shard
+bytes and the compiled graphs' zinf op counts to the output path.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import zinf_compile
+from zinf_compile.models import GPT, GPTConfig, make_batch
+
+
+def main(out_path: str, options_json: str, steps: int, global_batch: int, cfg_json: str) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(**json.loads(cfg_json))
+    options = json.loads(options_json)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    if rank == 1:  # a rank that initialised differently: rank 0's values must win
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    total_param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    cmodel = torch.compile(model, backend="zinf", options=options)
+    opt = zinf_compile.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    per = global_batch // world
+    for step in range(steps):
+        x, y = make_batch(cfg, global_batch, seed=step)
+        loss = cmodel(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    stats = zinf_compile.memory_stats()
+    tier = "cpu" if options.get("offload_params") == "cpu" else "device"
+    shard_bytes = torch.tensor([stats[tier]["param"]["current"]], dtype=torch.int64)
+    all_shards = [torch.zeros_like(shard_bytes) for _ in range(world)]
+    dist.all_gather(all_shards, shard_bytes)
+    counts: dict = {}
+    for rec in zinf_compile.compile_records():
+        for stage in ("forward", "backward"):
+            snap = rec.final(stage)
+            for k, v in (snap.op_counts if snap else {}).items():
+                if "zinf" in k:
+                    counts[f"{stage}:{k}"] = counts.get(f"{stage}:{k}", 0) + v
+    full = zinf_compile.full_state_dict(model, rank0_only=True)
+    if rank == 0:
+        torch.save({"losses": losses, "state": full, "shard_bytes": [int(s) for s in all_shards],
+                    "total_param_bytes": total_param_bytes, "counts": counts}, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
