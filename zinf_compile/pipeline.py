@@ -71,6 +71,8 @@ class CompileRecord:
     snapshots: List[GraphSnapshot] = field(default_factory=list)
     counters: collections.Counter = field(default_factory=collections.Counter)
     warnings: List[str] = field(default_factory=list)
+    # the last GraphModule of each stage, as handed to the code generator (for memory plans)
+    final_modules: Dict[str, torch.fx.GraphModule] = field(default_factory=dict)
 
     def graphs(self, stage: Optional[str] = None) -> List[GraphSnapshot]:
         return [s for s in self.snapshots if stage is None or s.stage == stage]
@@ -172,4 +174,5 @@ def run_passes(
         dt = time.perf_counter() - t0
         log.debug("zinf: %s pass %s took %.1f ms", stage, name, dt * 1e3)
         snapshot(ctx, stage, name, gm, dt)
+    ctx.record.final_modules[stage] = gm
     return gm
