@@ -63,6 +63,11 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.hidden)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         self.head.weight = self.tok.weight  # tied
+        for m in self.modules():  # GPT-2 style init: small logits at the start
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         t = idx.shape[1]
