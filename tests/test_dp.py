@@ -13,7 +13,7 @@ import torch
 from zinf_compile.models import GPT, GPTConfig, make_batch
 
 HERE = os.path.dirname(__file__)
-CFG = dict(vocab=64, seq=16, layers=2, hidden=32, heads=4)
+CFG = dict(vocab=64, seq=16, layers=2, hidden=32, heads=4, init_std=None)
 
 
 def run_dp(tmp_path, options, steps=3, global_batch=8, nproc=2, cfg=CFG, timeout=240):

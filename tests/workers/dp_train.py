@@ -18,6 +18,7 @@ import zinf_compile
 from zinf_compile.models import GPT, GPTConfig, make_batch
 
 
+
 def main(out_path: str, options_json: str, steps: int, global_batch: int, cfg_json: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
