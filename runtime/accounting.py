@@ -10,12 +10,13 @@ peak bytes. The counters are process-wide on purpose: they describe this process
 from __future__ import annotations
 
 import threading
-from typing import Dict
+from typing import Dict, Optional
 
 TIERS = ("device", "cpu", "nvme")
 KINDS = ("param", "grad", "optim", "gathered")
 
 _lock = threading.Lock()
+_budget: Optional[int] = None
 _current: Dict[tuple[str, str], int] = {}
 _peak: Dict[tuple[str, str], int] = {}
 
@@ -78,3 +79,45 @@ def reset_peak_memory_stats() -> None:
     with _lock:
         for key in list(_peak):
             _peak[key] = _current.get(key, 0)
+
+
+class ZinfOutOfMemoryError(RuntimeError):
+    """Materializing a parameter or gradient would exceed ``device_memory_budget``."""
+
+
+def set_device_memory_budget(nbytes: Optional[int]) -> None:
+    """Cap the bytes of materialized parameters and gradients on the compute device (None: no cap).
+
+    On CPU this emulates a GPU's memory limit honestly: the runtime refuses, with an error naming
+    the tensor and the bytes, instead of silently using more.
+    """
+    global _budget
+    if nbytes is not None and (not isinstance(nbytes, int) or nbytes <= 0):
+        raise ValueError(f"device_memory_budget must be a positive int of bytes or None, got {nbytes!r}")
+    _budget = nbytes
+
+
+def device_memory_budget() -> Optional[int]:
+    return _budget
+
+
+def _over_budget(nbytes: int, what: str, kind: str) -> None:
+    in_use = current("device", "gathered")
+    raise ZinfOutOfMemoryError(
+        f"zinf: out of device memory budget: {kind} {what} needs {nbytes} bytes while {in_use} bytes of "
+        f"gathered parameters are live, over device_memory_budget={_budget}. Fix: raise "
+        f"device_memory_budget, or let zinf tile this operator (options tiles=N or tile_threshold_bytes)."
+    )
+
+
+def materialize(nbytes: int, what: str) -> None:
+    """Account ``nbytes`` of gathered parameter ``what``, refusing to go over the budget."""
+    if _budget is not None and current("device", "gathered") + nbytes > _budget:
+        _over_budget(nbytes, what, "materializing")
+    add("device", "gathered", nbytes)
+
+
+def check_gradient(nbytes: int, what: str) -> None:
+    """A gradient buffer of ``nbytes`` coexists with the gathered parameters: it must fit too."""
+    if _budget is not None and current("device", "gathered") + nbytes > _budget:
+        _over_budget(nbytes, what, "the gradient of")

@@ -36,7 +36,7 @@ class ShardedOptimizerMixin:
             with torch.enable_grad():
                 loss = closure()
         swapped: List[tuple[dict, list]] = []
-        moved: List[tuple[torch.Tensor, torch.Tensor]] = []
+        moved: List[tuple[torch.Tensor, List[torch.Tensor]]] = []
         touched: List[store.ParamHandle] = []
         try:
             for group in self.param_groups:
@@ -47,28 +47,52 @@ class ShardedOptimizerMixin:
                     if h is None:
                         shadows.append(p)
                         continue
-                    shadow = h.master
-                    shadow.grad = h.grad
-                    if p in self.state:
-                        self.state[shadow] = self.state.pop(p)
-                    moved.append((p, shadow))
-                    shadows.append(shadow)
-                    if h.grad is not None:
-                        touched.append(h)
+                    units = h.units()
+                    states = self._unit_states(p, len(units))
+                    for unit, st in zip(units, states):
+                        shadow = unit.master
+                        shadow.grad = unit.grad
+                        if st:
+                            self.state[shadow] = st
+                        shadows.append(shadow)
+                        if unit.grad is not None:
+                            touched.append(unit)
+                    moved.append((p, [u.master for u in units]))
                 swapped.append((group, originals))
                 group["params"] = shadows
             super().step()  # type: ignore[misc]
         finally:
             for group, originals in swapped:
                 group["params"] = originals
-            for p, shadow in moved:
-                shadow.grad = None
-                if shadow in self.state:
-                    self.state[p] = self.state.pop(shadow)
+            for p, shadows_of_p in moved:
+                states = []
+                for shadow in shadows_of_p:
+                    shadow.grad = None
+                    states.append(self.state.pop(shadow, {}))
+                if len(shadows_of_p) == 1:
+                    if states[0]:
+                        self.state[p] = states[0]
+                elif any(states):
+                    self.state[p] = {"tiles": states}
         for h in touched:
             h.master_updated()
         self._account_state()
         return loss
+
+    def _unit_states(self, p: torch.Tensor, n: int) -> List[dict]:
+        """The optimizer state of each unit of ``p`` (one, or one per tile under key ``"tiles"``)."""
+        st = self.state.pop(p, None) if p in self.state else None
+        if not st:
+            return [{} for _ in range(n)]
+        if n == 1:
+            return [st]
+        tiles = st.get("tiles")
+        if tiles is None or len(tiles) != n:
+            raise RuntimeError(
+                f"zinf: optimizer state of a parameter does not match its {n} tiles; the parameter was "
+                "re-tiled after optimizer steps. Keep tiling options fixed across compiles of one model."
+            )
+        return list(tiles)
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
@@ -90,9 +114,10 @@ class ShardedOptimizerMixin:
             for p in group["params"]:
                 h = store.handle_of(p)
                 if h is not None:
-                    if h.grad is not None:
-                        grads.append(h.grad)
-                        group_of_grads = h.placement.group
+                    for unit in h.units():
+                        if unit.grad is not None:
+                            grads.append(unit.grad)
+                            group_of_grads = h.placement.group
                 elif p.grad is not None:
                     grads.append(p.grad)
         total = torch.zeros((), dtype=torch.float64)
@@ -107,14 +132,17 @@ class ShardedOptimizerMixin:
         return norm
 
     def _account_state(self) -> None:
+        """Add this optimizer's state bytes per tier to the accounting (as a delta: several coexist)."""
         per_tier: Dict[str, int] = {}
         for p, st in self.state.items():
             h = store.handle_of(p)
             tier = h.placement.tier if h is not None else "device"
-            n = sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
+            n = sum(v.numel() * v.element_size() for d in st.get("tiles", [st]) for v in d.values() if torch.is_tensor(v))
             per_tier[tier] = per_tier.get(tier, 0) + n
-        for tier, n in per_tier.items():
-            accounting.set_bytes(tier, "optim", n)
+        before: Dict[str, int] = getattr(self, "_zinf_state_bytes", {})
+        for tier in set(per_tier) | set(before):
+            accounting.add(tier, "optim", per_tier.get(tier, 0) - before.get(tier, 0))
+        self._zinf_state_bytes = per_tier
 
 
 class AdamW(ShardedOptimizerMixin, torch.optim.AdamW):

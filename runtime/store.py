@@ -17,7 +17,7 @@ import itertools
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -48,37 +48,80 @@ def _nbytes(t: Optional[torch.Tensor]) -> int:
 class ParamHandle:
     """One partitioned parameter: fp32 master shard, gradient shard, cached compute-dtype copies."""
 
-    def __init__(self, param: torch.nn.Parameter, name: str, placement: Placement, flat: torch.Tensor):
+    def __init__(self, name: str, shape: Sequence[int], dtype: torch.dtype, requires_grad: bool,
+                 placement: Placement, flat: torch.Tensor, param: Optional[torch.nn.Parameter] = None):
         self.uid = next(_uids)
         self.name = name
-        self.shape = tuple(param.shape)
-        self.dtype = param.dtype
-        self.numel = param.numel()
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.numel = flat.numel()
         self.placement = placement
         self.world = comm.world_size(placement.group)
         self.rank = comm.rank(placement.group)
         self.shard_numel = -(-self.numel // self.world)
         self.padded_numel = self.shard_numel * self.world
-        self.requires_grad = param.requires_grad
-        self._param_ref = weakref.ref(param)
+        self.requires_grad = requires_grad
+        self._param_ref = weakref.ref(param) if param is not None else (lambda: None)
         lo = self.rank * self.shard_numel
         own = flat[lo : min(lo + self.shard_numel, self.numel)]
         dev = placement.storage_device()
-        self.master = torch.zeros(self.shard_numel, dtype=torch.float32, device=dev)
+        self.master: Optional[torch.Tensor] = torch.zeros(self.shard_numel, dtype=torch.float32, device=dev)
         self.master[: own.numel()].copy_(own)
         if dev.type == "cpu" and placement.compute_device.type == "cuda":
             self.master = self.master.pin_memory()
         self.grad: Optional[torch.Tensor] = None
         self._compute: Dict[torch.dtype, torch.Tensor] = {}
         self._lock = threading.Lock()
+        # set when the parameter is re-partitioned as tiles, each its own unit (memory-centric tiling)
+        self.tiles: Optional[List["ParamHandle"]] = None
+        self.tile_dim = 0
+        self.tile_bounds: Tuple[Tuple[int, int], ...] = ()
         accounting.add(placement.tier, "param", _nbytes(self.master))
+
+    def units(self) -> List["ParamHandle"]:
+        """What the optimizer steps: the tiles of a tiled parameter, else the parameter itself."""
+        return list(self.tiles) if self.tiles is not None else [self]
+
+    def split_into_tiles(self, bounds: Sequence[Tuple[int, int]], dim: int) -> List["ParamHandle"]:
+        """Re-partition as one unit per ``[lo, hi)`` slice along ``dim`` (collective when dp > 1).
+
+        Afterwards fetching tile i moves only tile i's bytes, and each tile has its own gradient
+        shard. Tiling again with the same bounds is a no-op; with other bounds it is an error.
+        """
+        bounds = tuple((int(lo), int(hi)) for lo, hi in bounds)
+        if self.tiles is not None:
+            if (bounds, dim) != (self.tile_bounds, self.tile_dim):
+                raise ValueError(f"zinf: {self.name} is already tiled as {self.tile_bounds} along dim "
+                                 f"{self.tile_dim}; cannot re-tile as {bounds} along {dim}")
+            return self.tiles
+        if self.grad is not None:
+            raise RuntimeError(f"zinf: cannot tile {self.name} while it holds an accumulated gradient")
+        full = self.full_data(torch.float32)
+        tiles = []
+        for i, (lo, hi) in enumerate(bounds):
+            part = full.narrow(dim, lo, hi - lo).contiguous()
+            t = ParamHandle(f"{self.name}[tile {i}/{len(bounds)}]", part.shape, self.dtype, self.requires_grad,
+                            self.placement, part.reshape(-1))
+            _handles[t.uid] = t
+            tiles.append(t)
+        accounting.sub(self.placement.tier, "param", _nbytes(self.master))
+        self.master_updated()
+        self.master = None
+        self.tiles, self.tile_dim, self.tile_bounds = tiles, dim, bounds
+        return tiles
 
     # -- parameter data ------------------------------------------------------------------------
     def param(self) -> Optional[torch.nn.Parameter]:
         return self._param_ref()
 
+    def _whole(self) -> torch.Tensor:
+        if self.master is None:
+            raise RuntimeError(f"zinf: {self.name} is tiled; fetch its tiles, not the whole parameter")
+        return self.master
+
     def shard_in(self, dtype: torch.dtype) -> torch.Tensor:
         """This rank's shard in ``dtype``, on its tier; compute-dtype copies are cached per step."""
+        self._whole()
         if dtype == torch.float32:
             return self.master
         with self._lock:
@@ -91,6 +134,8 @@ class ParamHandle:
 
     def master_updated(self) -> None:
         """Drop compute copies after the optimizer changed the master shard."""
+        for t in self.tiles or ():
+            t.master_updated()
         with self._lock:
             for t in self._compute.values():
                 accounting.sub(self.placement.tier, "param", _nbytes(t))
@@ -100,9 +145,9 @@ class ParamHandle:
         """A private copy of this rank's shard on the compute device (never the master itself)."""
         src = self.shard_in(dtype)
         out = torch.empty(self.shard_numel, dtype=dtype, device=self.placement.compute_device)
-        out.copy_(src, non_blocking=src.is_pinned())
         if self.world == 1:  # the shard is the whole parameter: it is what gets released
-            accounting.add("device", "gathered", out.untyped_storage().nbytes())
+            accounting.materialize(_nbytes(out), self.name)
+        out.copy_(src, non_blocking=src.is_pinned())
         return out
 
     def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
@@ -110,8 +155,8 @@ class ParamHandle:
         if self.world == 1:
             return shard.view(self.shape)  # for eager callers; graphs use a view node instead
         buf = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
+        accounting.materialize(_nbytes(buf), self.name)
         comm.all_gather_flat(buf, shard, self.placement.group)
-        accounting.add("device", "gathered", buf.untyped_storage().nbytes())
         return buf[: self.numel].view(self.shape)
 
     @staticmethod
@@ -125,6 +170,8 @@ class ParamHandle:
 
     def full_data(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The full parameter (collective when dp > 1), as a fresh tensor on the compute device."""
+        if self.tiles is not None:
+            return torch.cat([t.full_data(dtype) for t in self.tiles], dim=self.tile_dim)
         gathered = self.all_gather(self.fetch_shard(dtype))
         full = gathered.clone()
         self.release(gathered)
@@ -132,6 +179,10 @@ class ParamHandle:
 
     def load_full(self, full: torch.Tensor) -> None:
         """Overwrite this rank's master shard from a full tensor (same values on every rank)."""
+        if self.tiles is not None:
+            for t, (lo, hi) in zip(self.tiles, self.tile_bounds):
+                t.load_full(full.detach().narrow(self.tile_dim, lo, hi - lo))
+            return
         flat = full.detach().reshape(-1)
         lo = self.rank * self.shard_numel
         own = flat[lo : min(lo + self.shard_numel, self.numel)]
@@ -143,6 +194,11 @@ class ParamHandle:
     # -- gradients -----------------------------------------------------------------------------
     def reduce_grad(self, grad: torch.Tensor) -> None:
         """Reduce-scatter (mean over dp) ``grad`` and accumulate into the fp32 gradient shard."""
+        accounting.check_gradient(_nbytes(grad), self.name)
+        if self.tiles is not None:
+            for t, (lo, hi) in zip(self.tiles, self.tile_bounds):
+                t.reduce_grad(grad.narrow(self.tile_dim, lo, hi - lo))
+            return
         flat = grad.detach().reshape(-1).to(torch.float32)
         if self.world == 1:
             shard = flat
@@ -160,6 +216,8 @@ class ParamHandle:
             self.grad.add_(shard.to(dev))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        for t in self.tiles or ():
+            t.zero_grad(set_to_none)
         if self.grad is None:
             return
         if set_to_none:
@@ -172,6 +230,9 @@ class ParamHandle:
         accounting.sub(self.placement.tier, "param", _nbytes(self.master))
         self.master_updated()
         self.zero_grad()
+        for t in self.tiles or ():
+            _handles.pop(t.uid, None)
+            t._free()
 
 
 def handle_of(param: torch.Tensor) -> Optional[ParamHandle]:
@@ -246,7 +307,7 @@ def partition(
             if comm.world_size(placement.group) > 1 and sync_from_rank0:
                 flat = flat.clone()
                 comm.broadcast(flat, placement.group)
-            h = ParamHandle(p, name, placement, flat)
+            h = ParamHandle(name, p.shape, p.dtype, p.requires_grad, placement, flat, param=p)
             _handles[h.uid] = h
             setattr(p, UID_ATTR, h.uid)
             weakref.finalize(p, _forget, h.uid)

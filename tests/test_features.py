@@ -156,7 +156,8 @@ def test_clip_grad_norm_matches_torch():
         torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6)
 
 
-def test_optimizer_state_dict_roundtrip_keys():
+def test_optimizer_state_dict_and_state_accounting():
+    before = zinf_compile.memory_stats()["device"]
     model = MLP()
     cm = torch.compile(model, backend="zinf", options={"compiler": "eager"})
     opt = zinf_compile.optim.AdamW(model.parameters(), lr=1e-3)
@@ -165,6 +166,11 @@ def test_optimizer_state_dict_roundtrip_keys():
     sd = opt.state_dict()
     assert len(sd["state"]) == len(list(model.parameters()))
     assert all("exp_avg" in s for s in sd["state"].values())
-    stats = zinf_compile.memory_stats()["device"]
+    after = zinf_compile.memory_stats()["device"]
+    params = after["param"]["current"] - before["param"]["current"]
+    optim = after["optim"]["current"] - before["optim"]["current"]
     n = len(list(model.parameters()))  # exp_avg + exp_avg_sq in fp32, plus a 4-byte step per parameter
-    assert stats["optim"]["current"] == 2 * stats["param"]["current"] + 4 * n
+    assert params == sum(p.numel() * 4 for p in model.parameters())
+    assert optim == 2 * params + 4 * n
+    opt.step()  # a second step adds nothing: state is re-counted, not re-added
+    assert zinf_compile.memory_stats()["device"]["optim"]["current"] - before["optim"]["current"] == optim
