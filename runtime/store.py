@@ -96,7 +96,7 @@ class ParamHandle:
             return self.tiles
         if self.grad is not None:
             raise RuntimeError(f"zinf: cannot tile {self.name} while it holds an accumulated gradient")
-        full = self.full_data(torch.float32)
+        full = self._full_flat().view(self.shape)
         tiles = []
         for i, (lo, hi) in enumerate(bounds):
             part = full.narrow(dim, lo, hi - lo).contiguous()
@@ -176,6 +176,16 @@ class ParamHandle:
         full = gathered.clone()
         self.release(gathered)
         return full
+
+    def _full_flat(self) -> torch.Tensor:
+        """Every rank's fp32 master shards joined, on the storage tier: a one-time re-layout (for
+        tiling) that never materializes on the compute device, so it is outside the budget."""
+        master = self._whole()
+        if self.world == 1:
+            return master[: self.numel].clone()
+        buf = torch.empty(self.padded_numel, dtype=master.dtype, device=master.device)
+        comm.all_gather_flat(buf, master, self.placement.group)
+        return buf[: self.numel]
 
     def load_full(self, full: torch.Tensor) -> None:
         """Overwrite this rank's master shard from a full tensor (same values on every rank)."""

@@ -63,3 +63,17 @@ def test_gpt_dp2_matches_single_process_eager(tmp_path):
     assert counts.get("backward:zinf.reduce_grad.default", 0) > 0, counts
     assert counts["forward:zinf.release.default"] == counts["forward:zinf.all_gather.default"], counts
     assert counts["backward:zinf.release.default"] == counts["backward:zinf.all_gather.default"], counts
+
+
+def test_gpt_dp2_with_tiling_matches_single_process_eager(tmp_path):
+    res = run_dp(tmp_path, {"compiler": "eager", "tiles": 3, "tile_threshold_bytes": 10_000})
+    losses, state = eager_reference()
+    torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    for k, v in state.items():
+        torch.testing.assert_close(res["state"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    counts = res["counts"]
+    # every tile is all-gathered and reduce-scattered on its own: 24 parameters, of which qkv, fc and
+    # out (3 per layer) become 3 tiles each
+    tiled = 3 * CFG["layers"]
+    assert counts["forward:zinf.all_gather.default"] == 24 - tiled + 3 * tiled
+    assert counts["backward:zinf.reduce_grad.default"] == 24 - tiled + 3 * tiled

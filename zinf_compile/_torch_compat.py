@@ -89,3 +89,38 @@ def must_recompute_tag() -> Any:
 
     return CheckpointPolicy.MUST_RECOMPUTE
 
+
+
+def detach_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of a Dynamo graph that our passes may change (Dynamo keeps reading the original's
+    placeholders after the backend returns), with the metadata AOTAutograd reads on Dynamo graphs:
+    ``gm.meta``, ``_param_name_to_source`` and each placeholder's ``_dynamo_source``."""
+    graph = torch.fx.Graph()
+    val_map: dict = {}
+    out = graph.graph_copy(gm.graph, val_map)
+    old_out = gm.graph.find_nodes(op="output")[0]
+    new_out = graph.output(out)
+    new_out.meta = dict(old_out.meta)
+    for old, new in val_map.items():
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    new_gm = torch.fx.GraphModule(gm, graph)
+    new_gm.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        new_gm._param_name_to_source = gm._param_name_to_source
+    return new_gm
+
+
+def static_fake_like(t: torch.Tensor, example_inputs: Sequence[Any]) -> torch.Tensor:
+    """``t`` as a fake tensor of the compile's fake mode with static shapes.
+
+    An input a pass adds has no Dynamo source, so AOTAutograd would fakeify it with symbolic
+    sizes; a tile's shape is a constant of the rewrite, and symbolic sizes would make the backward
+    read them (fetching every tile up front) and blur Inductor's code.
+    """
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(example_inputs)
+    if mode is None:
+        return t
+    return mode.from_tensor(t, static_shapes=True)

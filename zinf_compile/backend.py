@@ -4,7 +4,8 @@ One call per Dynamo graph. It partitions the graph's parameters into the runtime
 keeps a 1/dp fp32 shard; the parameter keeps its shape with 0-byte storage, so Dynamo needs no
 patching), then traces forward and backward with AOTAutograd and runs zinf's passes::
 
-    Dynamo graph --autocast--> AOTAutograd joint graph --insert_fetch--> min-cut partition
+    Dynamo graph --autocast, plan_tiling, tile_matmul--> AOTAutograd joint graph
+        --insert_fetch--> min-cut partition
         forward:   sink_fetch -> insert_release                  -> Inductor (or eager)
         backward:  sink_fetch -> reduce_grad -> insert_release   -> Inductor (or eager)
         inference: insert_fetch -> sink_fetch -> insert_release  -> Inductor (or eager)
@@ -30,10 +31,16 @@ from .passes.autocast import autocast_pass
 from .passes.insert_fetch import insert_fetch_pass
 from .passes.insert_release import insert_release_pass
 from .passes.reduce_grad import reduce_grad_pass
+from .passes.plan_tiling import plan_tiling_pass
 from .passes.sink_fetch import sink_fetch_pass
+from .passes.tile_matmul import tile_matmul_pass
 from .pipeline import CompileContext, Pass, ParamInfo, new_record, run_passes
 
-DYNAMO_PASSES: List[Tuple[str, Pass]] = [("autocast", autocast_pass)]
+DYNAMO_PASSES: List[Tuple[str, Pass]] = [
+    ("autocast", autocast_pass),
+    ("plan_tiling", plan_tiling_pass),
+    ("tile_matmul", tile_matmul_pass),
+]
 JOINT_PASSES: List[Tuple[str, Pass]] = [("insert_fetch", insert_fetch_pass)]
 FORWARD_PASSES: List[Tuple[str, Pass]] = [("sink_fetch", sink_fetch_pass), ("insert_release", insert_release_pass)]
 BACKWARD_PASSES: List[Tuple[str, Pass]] = [
@@ -44,11 +51,16 @@ BACKWARD_PASSES: List[Tuple[str, Pass]] = [
 INFERENCE_PASSES: List[Tuple[str, Pass]] = JOINT_PASSES + FORWARD_PASSES
 
 
-def _param_name(placeholder: str) -> str:
-    """``L_self_modules_fc1_parameters_weight_`` -> ``fc1.weight`` (for messages and dumps)."""
-    name = re.sub(r"^L_(self_)?", "", placeholder).rstrip("_")
-    name = re.sub(r"_modules_|_parameters_|_buffers_", ".", name)
-    return re.sub(r"^(modules_|parameters_)", "", name)
+def _param_name(node: torch.fx.Node) -> str:
+    """The parameter's name as in ``model.named_parameters()`` (e.g. ``blocks.0.fc.weight``)."""
+    source = getattr(node, "_dynamo_source", None)
+    text = getattr(source, "name", "") if source is not None else ""
+    text = text() if callable(text) else str(text)
+    parts = re.findall(r"_(?:modules|parameters|buffers)\['([^']+)'\]", text)
+    if parts:
+        return ".".join(parts)
+    name = re.sub(r"^[Ll]_(self_|fn_)?", "", node.name).rstrip("_")
+    return re.sub(r"_modules_|_parameters_|_buffers_", ".", name)
 
 
 def _graph_name(gm: torch.fx.GraphModule) -> str:
@@ -79,12 +91,14 @@ def _partition_inputs(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: 
     placement = zinf_runtime.Placement(
         tier="cpu" if cfg.offload_params == "cpu" else "device", compute_device=device, group=cfg.resolved_group()
     )
-    names = [_param_name(phs[i].name) if i < len(phs) else f"input{i}" for i, _ in found]
+    names = [_param_name(phs[i]) if i < len(phs) else f"input{i}" for i, _ in found]
     uids = zinf_runtime.partition([(n, t) for n, (_, t) in zip(names, found)], placement, cfg.sync_module_states)
     infos = {}
     for (i, t), uid, name in zip(found, uids, names):
         h = zinf_runtime.handle_of(t)
-        infos[i] = ParamInfo(i, uid, h.name, tuple(t.shape), t.dtype, h.shard_numel, t.requires_grad, h.world)
+        parts = tuple((u.uid, u.shard_numel, u.shape) for u in h.tiles) if h.tiles is not None else ()
+        infos[i] = ParamInfo(i, uid, h.name, tuple(t.shape), t.dtype, h.shard_numel, t.requires_grad, h.world,
+                             parts, h.tile_dim)
     return infos
 
 
@@ -94,12 +108,28 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: Conf
     params = _partition_inputs(gm, example_inputs, cfg)
     device_type = next((example_inputs[i].device.type for i in params), "cpu")
     ctx = CompileContext(cfg, params, record, device_type)
-    record.counters["graph_inputs"] = len(example_inputs)
     record.counters["partitioned_inputs"] = len(params)
+    zinf_runtime.accounting.set_device_memory_budget(cfg.device_memory_budget)
+    gm = _torch_compat.detach_dynamo_graph(gm)
     gm = run_passes(gm, example_inputs, DYNAMO_PASSES, ctx=ctx, stage="dynamo")
-    if cfg.compiler == "eager":
-        return _compile_eager(gm, example_inputs, ctx)
-    return _compile_inductor(gm, example_inputs, ctx)
+    inputs = example_inputs + [_torch_compat.static_fake_like(t, example_inputs) for t in ctx.extra_inputs]
+    record.counters["graph_inputs"] = len(inputs)
+    compiled = (_compile_eager if cfg.compiler == "eager" else _compile_inductor)(gm, inputs, ctx)
+    return _with_extra_inputs(compiled, ctx.extra_inputs)
+
+
+def _with_extra_inputs(compiled: Callable, extra: List[Any]) -> Callable:
+    """Append the inputs a pass added (weight tiles) to every call, in the callee's convention."""
+    if not extra:
+        return compiled
+    boxed = getattr(compiled, "_boxed_call", False)
+
+    def call(*args: Any) -> Any:
+        if boxed and len(args) == 1 and isinstance(args[0], list):  # graph inputs are never lists
+            return compiled(args[0] + extra)
+        return compiled(*args, *extra)
+
+    return call
 
 
 def _compile_eager(gm: torch.fx.GraphModule, example_inputs: List[Any], ctx: CompileContext) -> Callable:

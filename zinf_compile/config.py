@@ -38,6 +38,14 @@ class Config:
     sync_module_states: with dp > 1, broadcast parameter values from the group's rank 0 before
         sharding (as DDP does), so ranks that initialised differently train one model.
     disabled_passes: names of passes to skip (debugging); see ``zinf_compile.pipeline``.
+    tile_threshold_bytes: a matmul whose partitioned weight holds more bytes than this is tiled along
+        its output dimension (memory-centric tiling); the default (1 GiB) leaves ordinary models alone.
+    tiles: force this tile count for every matmul over the threshold (None: chosen automatically,
+        ``ceil(weight bytes / tile_threshold_bytes)``, or from ``device_memory_budget``).
+    device_memory_budget: bytes of materialized parameters and gradients allowed on the compute
+        device. Tile counts are then chosen so each operator's working memory (weight tile + its
+        gradient) fits in half of it, and the runtime raises a clear out-of-memory error, naming
+        the tensor and the bytes, rather than exceed it (emulates a GPU's limit on CPU).
     """
 
     offload_params: str = "none"
@@ -47,6 +55,9 @@ class Config:
     compiler: str = "inductor"
     sync_module_states: bool = True
     disabled_passes: tuple[str, ...] = ()
+    tile_threshold_bytes: int = 1 << 30
+    tiles: Optional[int] = None
+    device_memory_budget: Optional[int] = None
 
     def __post_init__(self) -> None:
         for key, choices in _CHOICES.items():
@@ -68,6 +79,13 @@ class Config:
                 f"zinf option 'disabled_passes': expected a tuple of pass names, got {self.disabled_passes!r}"
             )
         object.__setattr__(self, "disabled_passes", tuple(self.disabled_passes))
+        for key, minimum in (("tile_threshold_bytes", 0), ("tiles", 1), ("device_memory_budget", 1)):
+            value = getattr(self, key)
+            if value is None and key != "tile_threshold_bytes":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"zinf option {key!r}: invalid value {value!r}; expected an int >= {minimum}"
+                                 + ("" if key == "tile_threshold_bytes" else " or None"))
         if self.process_group is not None:
             import torch.distributed as dist
 

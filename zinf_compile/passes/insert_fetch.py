@@ -79,6 +79,12 @@ def insert_fetch_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *
         if ctx.cfg.compute_dtype is not None and all(_cast_dtype(u) == ctx.cfg.compute_dtype for u in users):
             dtype = ctx.cfg.compute_dtype
             casts = users
+        if info.parts:  # tiled by an earlier compile, used whole here: gather each tile, concatenate
+            full = _fetch_tiles(graph, ph, users[0], info, dtype, val, must)
+            ph.replace_all_uses_with(full, delete_user_cb=lambda u: u.meta.get("zinf", {}).get("kind") != "fetch_shard")
+            derived.add(full)
+            ctx.record.counters["fetch_inserted"] += len(info.parts)
+            continue
         with graph.inserting_before(users[0]):
             shard = graph.call_function(FETCH_SHARD, (ph, info.uid, info.shard_numel, dtype))
             if info.world > 1:
@@ -115,3 +121,31 @@ def insert_fetch_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *
             n.meta["recompute"] = must
             n.meta.setdefault("zinf", {"kind": "param_derived", "uid": -1})
     return gm
+
+
+def _fetch_tiles(graph: torch.fx.Graph, ph: torch.fx.Node, before: torch.fx.Node, info: Any,
+                 dtype: torch.dtype, val: Any, must: Any) -> torch.fx.Node:
+    """``cat([gather(tile_0), ...], tile_dim)``: each tile released right after the copy."""
+    pieces = []
+    with graph.inserting_before(before):
+        for uid, shard_numel, shape in info.parts:
+            shard = graph.call_function(FETCH_SHARD, (ph, uid, shard_numel, dtype))
+            if info.world > 1:
+                piece = graph.call_function(ALL_GATHER, (shard, uid, list(shape)))
+            else:
+                piece = graph.call_function(torch.ops.aten.view.default, (shard, list(shape)))
+            if val is not None:
+                shard.meta["val"] = val.new_empty((shard_numel,), dtype=dtype)
+                piece.meta["val"] = (val.new_empty(shape, dtype=dtype) if info.world > 1
+                                     else shard.meta["val"].view(shape))
+            for n in (shard, piece):
+                n.meta["recompute"] = must
+            tag(shard, "fetch_shard", uid, param=info.name, dtype=str(dtype), owns_full=info.world == 1)
+            tag(piece, "all_gather", uid, param=info.name, dtype=str(dtype), owns_full=info.world > 1)
+            pieces.append(piece)
+        full = graph.call_function(torch.ops.aten.cat.default, (pieces, info.tile_dim))
+    if val is not None:
+        full.meta["val"] = val.new_empty(info.shape, dtype=dtype)
+    full.meta["recompute"] = must
+    full.meta["zinf"] = {"kind": "param_derived", "uid": info.uid, "param": info.name}
+    return full
