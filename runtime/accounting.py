@@ -9,11 +9,12 @@ peak bytes. The counters are process-wide on purpose: they describe this process
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Dict, Optional
+from typing import Dict, Iterator, Optional
 
 TIERS = ("device", "cpu", "nvme")
-KINDS = ("param", "grad", "optim", "gathered")
+KINDS = ("param", "grad", "optim", "gathered", "grad_buffer", "materialized")
 
 _lock = threading.Lock()
 _budget: Optional[int] = None
@@ -61,8 +62,10 @@ def memory_stats() -> Dict[str, Dict[str, Dict[str, int]]]:
     """Current and peak bytes: ``stats[tier][kind] == {"current": int, "peak": int}``.
 
     ``gathered`` is the bytes of full (all-gathered) parameters materialized on the compute device;
-    the other kinds are the bytes of this rank's shards (parameters incl. compute-dtype copies,
-    fp32 gradients, optimizer state) held on each tier.
+    ``grad_buffer`` the full gradients handed to ``reduce_grad`` (live until reduced);
+    ``materialized`` their sum, the parameter + gradient working memory the paper's tiling bounds.
+    ``param``, ``grad`` and ``optim`` are the bytes of this rank's shards (parameters incl.
+    compute-dtype copies, fp32 gradients, optimizer state) held on each tier.
     """
     with _lock:
         return {
@@ -115,9 +118,25 @@ def materialize(nbytes: int, what: str) -> None:
     if _budget is not None and current("device", "gathered") + nbytes > _budget:
         _over_budget(nbytes, what, "materializing")
     add("device", "gathered", nbytes)
+    add("device", "materialized", nbytes)
 
 
-def check_gradient(nbytes: int, what: str) -> None:
-    """A gradient buffer of ``nbytes`` coexists with the gathered parameters: it must fit too."""
+def released(nbytes: int) -> None:
+    """A gathered parameter's ``nbytes`` were freed."""
+    sub("device", "gathered", nbytes)
+    sub("device", "materialized", nbytes)
+
+
+@contextlib.contextmanager
+def gradient_buffer(nbytes: int, what: str) -> Iterator[None]:
+    """A full gradient of ``nbytes`` is live while it is reduced; it must fit beside the gathered
+    parameters under the budget."""
     if _budget is not None and current("device", "gathered") + nbytes > _budget:
         _over_budget(nbytes, what, "the gradient of")
+    add("device", "grad_buffer", nbytes)
+    add("device", "materialized", nbytes)
+    try:
+        yield
+    finally:
+        sub("device", "grad_buffer", nbytes)
+        sub("device", "materialized", nbytes)

@@ -146,7 +146,7 @@ class ParamHandle:
         src = self.shard_in(dtype)
         out = torch.empty(self.shard_numel, dtype=dtype, device=self.placement.compute_device)
         if self.world == 1:  # the shard is the whole parameter: it is what gets released
-            accounting.materialize(_nbytes(out), self.name)
+            _track_gathered(out, self.name)
         out.copy_(src, non_blocking=src.is_pinned())
         return out
 
@@ -155,7 +155,7 @@ class ParamHandle:
         if self.world == 1:
             return shard.view(self.shape)  # for eager callers; graphs use a view node instead
         buf = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
-        accounting.materialize(_nbytes(buf), self.name)
+        _track_gathered(buf, self.name)
         comm.all_gather_flat(buf, shard, self.placement.group)
         return buf[: self.numel].view(self.shape)
 
@@ -163,10 +163,12 @@ class ParamHandle:
     def release(full: torch.Tensor) -> None:
         """Free a gathered parameter's storage now, whoever still holds a reference."""
         storage = full.untyped_storage()
-        nbytes = storage.nbytes()
-        if nbytes:
+        token = _live_gathered.pop(storage.data_ptr(), None)
+        if storage.nbytes():
             storage.resize_(0)
-            accounting.sub("device", "gathered", nbytes)
+        if token is not None and token[0]:
+            accounting.released(token[0])
+            token[0] = 0
 
     def full_data(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The full parameter (collective when dp > 1), as a fresh tensor on the compute device."""
@@ -204,11 +206,14 @@ class ParamHandle:
     # -- gradients -----------------------------------------------------------------------------
     def reduce_grad(self, grad: torch.Tensor) -> None:
         """Reduce-scatter (mean over dp) ``grad`` and accumulate into the fp32 gradient shard."""
-        accounting.check_gradient(_nbytes(grad), self.name)
-        if self.tiles is not None:
-            for t, (lo, hi) in zip(self.tiles, self.tile_bounds):
-                t.reduce_grad(grad.narrow(self.tile_dim, lo, hi - lo))
-            return
+        with accounting.gradient_buffer(_nbytes(grad), self.name):
+            if self.tiles is not None:
+                for t, (lo, hi) in zip(self.tiles, self.tile_bounds):
+                    t._reduce(grad.narrow(self.tile_dim, lo, hi - lo))
+            else:
+                self._reduce(grad)
+
+    def _reduce(self, grad: torch.Tensor) -> None:
         flat = grad.detach().reshape(-1).to(torch.float32)
         if self.world == 1:
             shard = flat
@@ -243,6 +248,27 @@ class ParamHandle:
         for t in self.tiles or ():
             _handles.pop(t.uid, None)
             t._free()
+
+
+# gathered buffers not yet released, by storage address: a graph that raises half-way drops its
+# buffers without reaching their release nodes, and the accounting must follow the memory
+_live_gathered: Dict[int, List[int]] = {}
+
+
+def _track_gathered(buf: torch.Tensor, name: str) -> None:
+    nbytes = _nbytes(buf)
+    accounting.materialize(nbytes, name)
+    token = [nbytes]
+    _live_gathered[buf.untyped_storage().data_ptr()] = token
+    weakref.finalize(buf, _dropped, buf.untyped_storage().data_ptr(), token)
+
+
+def _dropped(ptr: int, token: List[int]) -> None:
+    if token[0]:
+        accounting.released(token[0])
+        token[0] = 0
+        if _live_gathered.get(ptr) is token:
+            del _live_gathered[ptr]
 
 
 def handle_of(param: torch.Tensor) -> Optional[ParamHandle]:

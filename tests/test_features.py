@@ -70,10 +70,11 @@ def test_graphs_hold_zinf_nodes_and_gathered_peak_is_bounded():
     x, y = make_batch(cfg, 2, seed=0)
     cm(x, y).backward(); opt.step(); opt.zero_grad()  # compile
     zinf_compile.reset_peak_memory_stats()
+    base = zinf_compile.memory_stats()["device"]["gathered"]["current"]  # other tests' leftovers
     cm(x, y).backward(); opt.step(); opt.zero_grad()
     gathered = zinf_compile.memory_stats()["device"]["gathered"]
-    assert gathered["current"] == 0
-    assert 0 < gathered["peak"] <= 0.40 * total, (gathered, total)
+    assert gathered["current"] == base
+    assert 0 < gathered["peak"] - base <= 0.40 * total, (gathered, base, total)
     snaps = zinf_compile.last_graphs()
     fwd = [s for s in snaps if s.stage == "forward"][-1]
     bwd = [s for s in snaps if s.stage == "backward"][-1]
@@ -90,9 +91,11 @@ def test_inductor_releases_every_gathered_parameter():
     model = GPT(cfg)
     cm = torch.compile(model, backend="zinf")
     x, y = make_batch(cfg, 2, seed=0)
+    zinf_compile.reset_peak_memory_stats()
+    base = zinf_compile.memory_stats()["device"]["gathered"]["current"]
     cm(x, y).backward()
     stats = zinf_compile.memory_stats()["device"]["gathered"]
-    assert stats["current"] == 0 and stats["peak"] > 0
+    assert stats["current"] == base and stats["peak"] > base
 
 
 def test_eval_no_grad_and_train_switch():
@@ -157,6 +160,9 @@ def test_clip_grad_norm_matches_torch():
 
 
 def test_optimizer_state_dict_and_state_accounting():
+    import gc
+
+    gc.collect()  # handles of earlier tests' models are freed (and unaccounted) now, not mid-test
     before = zinf_compile.memory_stats()["device"]
     model = MLP()
     cm = torch.compile(model, backend="zinf", options={"compiler": "eager"})
