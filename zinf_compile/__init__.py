@@ -11,6 +11,7 @@ from zinf_runtime import memory_stats, reset_peak_memory_stats
 from . import optim
 from .backend import zinf_backend
 from .config import Config
+from .memory_plan import memory_plan
 from .pipeline import compile_records, last_graphs
 from .state import full_state_dict, gathered
 
@@ -22,6 +23,7 @@ __all__ = [
     "gathered",
     "last_graphs",
     "compile_records",
+    "memory_plan",
     "memory_stats",
     "reset_peak_memory_stats",
 ]

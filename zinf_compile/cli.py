@@ -10,6 +10,8 @@ Usage::
 
     zinf plan --layers 128 --hidden 25600 --heads 160 --seq 1024 --batch 1 --dp 512
     python -m zinf_compile.cli plan ... --json
+    zinf inspect DUMP_DIR [--diff] [--graph 0 --stage forward --pass insert_release] [--node NAME]
+    zinf memplan gpt --layers 4 --hidden 256 --seq 128 --batch 8 [--offload-params cpu] [--plot m.png]
 """
 
 from __future__ import annotations
@@ -169,9 +171,31 @@ def _format_plan(spec: TransformerSpec, hw: Hardware, r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- inspect, memplan (code in their modules)
+
+
+def _add_inspect_parser(sub: argparse._SubParsersAction) -> None:
+    from .inspect import __doc__ as doc, add_arguments, run
+
+    p = sub.add_parser("inspect", help="list, diff and explain the graphs a compile dumped (dump_dir)",
+                       description=doc.split("\n")[0])
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _add_memplan_parser(sub: argparse._SubParsersAction) -> None:
+    from .memory_plan import __doc__ as doc, add_arguments, run_cli  # the module, not the exported function
+
+    p = sub.add_parser("memplan", help="static memory plan of one training step (per tier, per kind)",
+                       description=doc.split("\n")[0])
+    add_arguments(p)
+    p.set_defaults(func=run_cli)
+
+
 # ---------------------------------------------------------------- entry point
 
-_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_plan_parser,)
+_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_plan_parser, _add_inspect_parser, _add_memplan_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

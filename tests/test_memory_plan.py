@@ -1,0 +1,161 @@
+"""zinf_compile.memory_plan: interval invariants, exact gathered peak, symbolic sizes, renderings."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import sympy
+import torch
+
+import zinf_compile
+from zinf_compile.memory_plan import KINDS, TIERS, MemoryPlan, build_plan
+from zinf_compile.models import GPT, GPTConfig, make_batch
+
+CFG = GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4)
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """One plan of the GPT model (eager graphs), and the gathered peak measured on the real model."""
+    torch._dynamo.reset()
+    dump = str(tmp_path_factory.mktemp("dump"))
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    x, y = make_batch(CFG, 2, seed=0)
+    rng = torch.get_rng_state()
+    plan = zinf_compile.memory_plan(model, (x, y), dump_dir=dump)
+    assert torch.equal(rng, torch.get_rng_state())  # the planning step left the RNG alone
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())  # model not partitioned
+    cm = torch.compile(model, backend="zinf", options={"compiler": "eager"})
+    n = len(zinf_compile.compile_records())
+    cm(x, y).backward()
+    assert len(zinf_compile.compile_records()) > n  # compiled afresh, not the plan's cached graph
+    zinf_compile.reset_peak_memory_stats()
+    cm(x, y).backward()
+    measured = zinf_compile.memory_stats()["device"]["gathered"]["peak"]
+    yield plan, measured, dump, (model, cm, x, y)
+    torch._dynamo.reset()
+
+
+def test_intervals_are_well_formed(planned):
+    plan = planned[0]
+    n = len(plan.steps)
+    assert n > 0 and [s.index for s in plan.steps] == list(range(n))
+    for iv in plan.intervals:
+        assert 0 <= iv.start <= iv.end < n, iv
+        assert iv.tier in TIERS and iv.kind in KINDS and int(iv.nbytes) > 0, iv
+    stages = [s.stage for s in plan.steps]
+    assert stages == sorted(stages, key=lambda s: s != "forward")  # forward nodes, then backward nodes
+
+
+def test_everything_is_freed_by_the_end(planned):
+    plan = planned[0]
+    last = len(plan.steps) - 1
+    held = {"input", "output", "saved"}  # the user's inputs and loss; AOTAutograd's saved tensors
+    for iv in plan.intervals:
+        if iv.kind in ("activation", "grad_buffer") and iv.role not in held:
+            end_step = plan.steps[iv.end]
+            assert iv.end_node == f"{end_step.stage}:{end_step.node}", iv  # freed at its last reader
+    act_end = plan.timeline("device", "activation")[last]
+    assert act_end == sum(int(iv.nbytes) for iv in plan.live_at(last, "device")
+                          if iv.kind == "activation" and iv.role in held)
+    assert plan.timeline("device", "gathered")[last] == 0
+    # what survives the step: only the loss (saved tensors go when the backward returns)
+    beyond = [iv for iv in plan.intervals if iv.kind in ("activation", "gathered", "grad_buffer")
+              and iv.end_node == "end"]
+    assert [iv.role for iv in beyond] == ["output"] and beyond[0].nbytes == 4, beyond
+
+
+def test_gathered_intervals_end_at_their_release(planned):
+    plan = planned[0]
+    gathered = [iv for iv in plan.intervals if iv.kind == "gathered"]
+    releases = [s for s in plan.steps if s.target == "zinf.release.default"]
+    assert len(gathered) == len(releases) > 0
+    for iv in gathered:
+        s = plan.steps[iv.end]
+        assert s.target == "zinf.release.default" and iv.end_node == f"{s.stage}:{s.node}", iv
+        assert plan.steps[iv.start].target == "zinf.fetch_shard.default", iv
+        assert iv.param and not iv.param.startswith(("inner.", "l_self")), iv.param
+
+
+def test_tier_sums_equal_kind_sums(planned):
+    plan = planned[0]
+    for tier in TIERS:
+        total = plan.timeline(tier)
+        per_kind = [plan.timeline(tier, k) for k in KINDS]
+        assert all(total[i] == sum(k[i] for k in per_kind) for i in range(len(total)))
+        assert sum(plan.at_peak(tier).values()) == plan.peak(tier)
+        assert plan.peak(tier) == max(total)
+    shard_bytes = sum(p.numel() * 4 for p in planned[3][0].parameters())
+    assert plan.peak("device", "param") == shard_bytes  # fp32 masters, on the device without offload
+    assert plan.peak("device", "grad") == shard_bytes  # every gradient shard exists by the end
+    assert plan.peak("cpu") == 0 and plan.peak("nvme") == 0
+
+
+def test_predicted_gathered_peak_equals_measured(planned):
+    plan, measured = planned[0], planned[1]
+    assert measured > 0
+    assert plan.peak("device", "gathered") == measured
+
+
+def test_offload_moves_shards_to_cpu_and_keeps_device_figures(planned):
+    plan = planned[0]
+    model, _, x, y = planned[3]  # already partitioned by its own compile: planning gathers a copy
+    off = zinf_compile.memory_plan(model, (x, y), offload_params="cpu", optimizer="adamw", hold_saved=False)
+    assert off.peak("device", "param") == 0 and off.peak("cpu", "param") == plan.peak("device", "param")
+    n_params = len(list(model.parameters()))
+    assert off.peak("cpu", "optim") == 2 * plan.peak("device", "param") + 4 * n_params
+    assert off.peak("device", "gathered") == plan.peak("device", "gathered")
+    assert off.peak("device", "activation") <= plan.peak("device", "activation")  # saved freed earlier
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())  # still partitioned
+
+
+def test_renderings_and_dump(planned, tmp_path):
+    plan, _, dump = planned[0], planned[1], planned[2]
+    text = plan.table()
+    assert "device  gathered" in text and "live at the device peak" in text
+    data = json.loads(plan.to_json())
+    assert data["peaks"]["device"]["kinds"]["gathered"] == plan.peak("device", "gathered")
+    assert len(data["timeline"]["device"]) == len(plan.steps)
+    with open(os.path.join(dump, "plan.json")) as f:
+        assert json.load(f)["peaks"] == data["peaks"]
+    assert open(os.path.join(dump, "plan.txt")).read().strip() == text
+    png = plan.plot(str(tmp_path / "mem.png"), backend="png")
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    with open(plan.plot(str(tmp_path / "mpl.png"), backend="matplotlib"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_dynamic_batch_is_symbolic_and_evaluates_to_the_static_plan():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    dyn = zinf_compile.memory_plan(model, make_batch(CFG, 2, seed=0), dynamic={0: [0], 1: [0]})
+    assert dyn.symbolic
+    batch = dyn.size_symbol(0, 0)
+    assert dyn.symbols[batch] == "input 0 dim 0"
+    peak = dyn.peak("device")
+    assert isinstance(peak, sympy.Basic) and {str(s) for s in peak.free_symbols} == {batch}
+    assert "Max(" in dyn.table() or batch in dyn.table()
+    static = zinf_compile.memory_plan(model, make_batch(CFG, 5, seed=0))
+    at5 = dyn.evaluate(**{batch: 5})
+    assert not at5.symbolic
+    for tier in TIERS:
+        for kind in (None,) + KINDS:
+            assert at5.peak(tier, kind) == static.peak(tier, kind), (tier, kind)
+    with pytest.raises(ValueError, match="unknown size"):
+        dyn.evaluate(nope=3)
+    with pytest.raises(ValueError, match="symbolic"):
+        dyn.plot("unused.png")
+
+
+def test_build_plan_needs_graphs():
+    with pytest.raises(ValueError, match="no forward"):
+        build_plan([])
+    assert isinstance(MemoryPlan([], []).timeline(), list)

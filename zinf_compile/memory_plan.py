@@ -1,0 +1,863 @@
+"""Static memory plan of one zinf training step, read off the final compiled graphs.
+
+``memory_plan(model, example_inputs, **options)`` compiles a private copy of ``model`` with the zinf
+backend (``compiler="eager"`` unless given), runs one forward+backward on it to trigger the compile, and
+walks the final forward and backward graphs (``CompileRecord.final_modules``) in execution order. Every
+tensor gets a live interval on the schedule (forward nodes, then backward nodes)::
+
+    device  activation   every tensor a node defines (views share their base's storage), from its
+                         node to its last reader; graph inputs that are not parameters from the start;
+                         tensors saved for backward until their backward graph returns (AOTAutograd
+                         holds them that long; ``hold_saved=False``: to their last reader); outputs to the end
+    device  gathered     a fetched / all-gathered full parameter, from fetch to its ``zinf.release``
+    device  grad_buffer  a parameter's gradient, until ``zinf.reduce_grad`` consumed it (+ its copies there)
+    <tier>  param/grad/optim   the runtime's shards: fp32 masters (+ compute-dtype copies) for the whole
+                         step, a gradient shard from its first reduce_grad on, optimizer state if asked
+
+``<tier>`` is where ``offload_params`` puts shards (``device`` or ``cpu``; nothing places them on
+``nvme`` yet, so that row is 0). Summing the intervals live at each step gives bytes per tier and kind
+over the schedule; the predicted peak is its maximum. ``plan.table()`` prints (``zinf memplan gpt
+--layers 2 --hidden 64 --seq 32 --batch 4 --vocab 128``)::
+
+    zinf memory plan: graph 0 GraphModule; schedule = 217 forward, 271 backward nodes (FX order)
+
+    tier    kind         at peak       own peak
+    device  activation   1.45 MiB      1.57 MiB
+    device  gathered     48.00 KiB     97.00 KiB
+    device  grad_buffer  48.00 KiB     65.00 KiB
+    device  param        429.00 KiB    429.00 KiB
+    device  grad         340.50 KiB    429.00 KiB
+    device  total        2.29 MiB      peak at step 463 (backward mm_22)
+
+    live at the device peak, largest first:
+        128.00 KiB  activation   saved         addmm                                forward:addmm -> end of backward
+         96.00 KiB  activation   temp          cat_1                                backward:cat_1 -> backward:mm_22
+         64.00 KiB  param        shard         blocks.0.fc.weight                   whole step
+        ...
+
+With ``dynamic=True`` (or ``dynamic={0: [0]}``: input 0's dim 0) sizes are sympy expressions in Dynamo's
+size symbols, e.g. ``Max(45696*s33 + 138376, 64128*s33 + 86152)`` bytes; ``plan.symbols`` says which
+input dimension each stands for (``{"s33": "input 0 dim 0"}``) and ``plan.evaluate(s33=8)`` gives the
+concrete plan. ``plan.to_json()``; ``plan.plot("mem.png")``: device bytes per kind over the schedule
+(matplotlib if installed, else a plain PNG: shards grey at the bottom, gathered orange, grad_buffer
+green, activation blue; red line = peak, black line = forward/backward boundary). With ``dump_dir`` the
+plan is also written there as plan.json / plan.txt; ``zinf memplan`` is the command-line front end.
+
+The figures model the graphs executed as plain FX code in graph order (``compiler="eager"``): on the
+GPT model they match the CPU allocator's peak during a step to the byte, and the gathered peak matches
+``zinf_compile.memory_stats()`` exactly (benchmarks/memory_plan_accuracy.py). Inductor fuses and
+reuses buffers, so for it the activation figures are an estimate (usually an upper bound). With several
+Dynamo graphs (graph breaks) the plan concatenates them and counts a tensor handed from one graph to
+the next twice.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import operator
+import os
+import re
+import struct
+import sys
+import types
+import zlib
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import sympy
+import torch
+import torch.fx
+
+from zinf_runtime import store
+
+from .analytic import human_bytes
+from .config import Config
+from .ops import FETCH_SHARD, REDUCE_GRAD, RELEASE
+from .pipeline import CompileRecord, compile_records
+
+Bytes = Union[int, sympy.Expr]
+TIERS = ("device", "cpu", "nvme")
+KINDS = ("activation", "gathered", "grad_buffer", "param", "grad", "optim")
+_OPTIM_BYTES = {None: (0, 0), "adam": (8, 4), "adamw": (8, 4), "sgd": (4, 0)}  # per element, per param
+_MAYBE_ALIAS = {torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+                torch.ops.aten.contiguous.default, torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout}
+
+__all__ = ["MemoryPlan", "Interval", "Step", "memory_plan", "build_plan", "TIERS", "KINDS"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One node of the schedule."""
+
+    index: int
+    graph: int  # CompileRecord.id
+    stage: str  # "forward" | "backward" | "inference"
+    node: str
+    target: str
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Bytes live on ``tier`` from step ``start`` to step ``end`` (both included)."""
+
+    name: str  # "<stage>:<node>" that allocates it
+    tier: str
+    kind: str
+    role: str  # input | temp | saved | output | tangent | fetched_shard | reduce_copy | shard | compute_copy
+    nbytes: Bytes
+    start: int
+    end: int
+    end_node: str  # "<stage>:<node>" whose step frees it ("end" for the end of the step)
+    aliases: Tuple[str, ...] = ()
+    param: Optional[str] = None
+
+
+def _expr(x: Any) -> Bytes:
+    if isinstance(x, torch.SymInt):
+        e = sympy.expand(x.node.expr)
+        return int(e) if e.is_Integer else e
+    return int(x)
+
+
+def _is_sym(x: Bytes) -> bool:
+    return isinstance(x, sympy.Basic) and not x.is_Integer
+
+
+def _fmt(x: Bytes) -> str:
+    return str(x) + " B" if _is_sym(x) else human_bytes(int(x))
+
+
+def _target(n: torch.fx.Node) -> str:
+    if n.target is operator.getitem:
+        return "getitem"
+    return str(n.target) if hasattr(n.target, "_schema") else getattr(n.target, "__name__", str(n.target))
+
+
+def _alias_arg(n: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """The input whose storage ``n``'s result shares, if any (views, in-place ops, view-likes)."""
+    if n.op != "call_function":
+        return None
+    schema = getattr(n.target, "_schema", None)
+    if n.target in _MAYBE_ALIAS:
+        src = n.args[0] if n.args and isinstance(n.args[0], torch.fx.Node) else None
+        a, b = n.meta.get("val"), src.meta.get("val") if src is not None else None
+        if n.target is not torch.ops.aten._unsafe_view.default and isinstance(a, torch.Tensor) \
+                and isinstance(b, torch.Tensor):
+            try:  # reshape / contiguous / to copy or not: the fake values say which
+                from torch.multiprocessing.reductions import StorageWeakRef
+
+                if StorageWeakRef(a.untyped_storage()) != StorageWeakRef(b.untyped_storage()):
+                    return None
+            except Exception:
+                pass
+        return src
+    if schema is None:
+        return None
+    sets = set()
+    for r in schema.returns:
+        if r.alias_info is not None:
+            sets |= set(r.alias_info.before_set)
+    if not sets:
+        return None
+    args = list(n.args) + [n.kwargs.get(a.name) for a in schema.arguments[len(n.args):]]
+    for a, v in zip(schema.arguments, args):
+        if a.alias_info is not None and sets & set(a.alias_info.before_set) and isinstance(v, torch.fx.Node):
+            return v
+    return None
+
+
+@dataclass
+class _Val:
+    key: Tuple
+    name: str
+    start: int
+    end: int
+    end_node: str
+    role: str
+    nbytes: Bytes = 0
+    parent: Optional[Tuple] = None
+    node: Optional[torch.fx.Node] = None
+
+
+class _Builder:
+    """Walks the final graphs in schedule order and collects intervals."""
+
+    def __init__(self, optimizer: Optional[str], hold_saved: bool = True):
+        self.hold_saved = hold_saved
+        self.stage_last: Dict[Tuple[int, str], int] = {}
+        if optimizer not in _OPTIM_BYTES:
+            raise ValueError(f"memory_plan: optimizer {optimizer!r} unknown; choose one of {list(_OPTIM_BYTES)}")
+        self.optim = _OPTIM_BYTES[optimizer]
+        self.steps: List[Step] = []
+        self.step_of: Dict[Tuple[int, str, str], int] = {}
+        self.vals: Dict[Tuple, _Val] = {}
+        self.extra: List[Interval] = []
+        self.seen: set = set()
+        self.symbols: Dict[str, str] = {}
+        self.END = -1
+        self._saved: Dict[Tuple[int, str], Tuple] = {}  # (record id, name) of forward outputs -> value key
+
+    # -- one graph -----------------------------------------------------------------------------
+    def add_graph(self, rec: CompileRecord, stage: str, gm: torch.fx.GraphModule, params: set, saved: set) -> None:
+        nodes = list(gm.graph.nodes)
+        first = len(self.steps)
+        pos: Dict[torch.fx.Node, int] = {}
+        for n in nodes:
+            if n.op not in ("placeholder", "output"):
+                pos[n] = len(self.steps)
+                self.step_of[(rec.id, stage, n.name)] = pos[n]
+                self.steps.append(Step(len(self.steps), rec.id, stage, n.name, _target(n)))
+        self.stage_last[(rec.id, stage)] = len(self.steps) - 1
+        outs: List[torch.fx.Node] = []
+        for n in nodes:
+            if n.op == "output":
+                torch.fx.node.map_arg(n.args, outs.append)
+        to_end = {a for a in outs if not (stage == "forward" and a.name in saved)}
+
+        def last_use(n: torch.fx.Node) -> Tuple[int, str]:
+            users = [u for u in n.users if u.op != "output"]
+            if n in to_end:
+                return self.END, "end"
+            if not users:
+                return pos.get(n, first), f"{stage}:{n.name}"
+            u = max(users, key=pos.__getitem__)
+            return pos[u], f"{stage}:{u.name}"
+
+        def add(v: _Val) -> None:
+            self.vals[v.key] = v
+            if stage == "forward" and v.key[3] is None and v.name in saved:
+                self._saved[(rec.id, v.name)] = v.key
+
+        for n in nodes:
+            val = n.meta.get("val")
+            key = (rec.id, stage, n.name, None)
+            if n.op == "placeholder":
+                if not isinstance(val, torch.Tensor) or n.name in params:
+                    continue
+                end, end_node = last_use(n)
+                parent = self._saved.get((rec.id, n.name)) if stage == "backward" else None
+                if parent is not None:
+                    add(_Val(key, n.name, first, end, end_node, "saved", parent=parent, node=n))
+                else:
+                    role = "tangent" if n.name.startswith("tangents") else "input"
+                    add(_Val(key, n.name, first, end, end_node, role, self._bytes(val), node=n))
+                continue
+            if n.op not in ("call_function", "get_attr", "call_module"):
+                continue
+            end, end_node = last_use(n)
+            if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node):
+                src = (rec.id, stage, n.args[0].name, n.args[1])
+                if src in self.vals:
+                    add(_Val(key, n.name, pos[n], end, end_node, "temp", parent=src, node=n))
+                continue
+            if isinstance(val, (tuple, list)):
+                pkey = self._key_of(rec.id, stage, _alias_arg(n))
+                for k, v in enumerate(val):
+                    if isinstance(v, torch.Tensor):
+                        nb = 0 if pkey else self._bytes(v)
+                        add(_Val((rec.id, stage, n.name, k), f"{n.name}[{k}]", pos[n], end, end_node, "temp", nb,
+                                 pkey, node=n))
+                continue
+            if not isinstance(val, torch.Tensor):
+                continue
+            parent = self._key_of(rec.id, stage, _alias_arg(n))
+            role = "input" if n.op == "get_attr" else "temp"
+            add(_Val(key, n.name, pos[n], end, end_node, role, 0 if parent else self._gathered_bytes(n, val),
+                     parent, node=n))
+        self._runtime_nodes(rec, stage, nodes, pos)
+
+    def _key_of(self, rid: int, stage: str, n: Optional[torch.fx.Node]) -> Optional[Tuple]:
+        if n is None:
+            return None
+        key = (rid, stage, n.name, None)
+        return key if key in self.vals else None
+
+    def _bytes(self, val: torch.Tensor) -> Bytes:
+        self._note_symbols(val)
+        try:
+            return _expr(val.untyped_storage().nbytes())
+        except Exception:  # no storage (e.g. a sparse or functional wrapper): count the elements
+            return _expr(val.numel() * val.element_size())
+
+    def _gathered_bytes(self, n: torch.fx.Node, val: torch.Tensor) -> Bytes:
+        z = n.meta.get("zinf") or {}
+        if z.get("kind") == "all_gather" and z.get("owns_full"):  # the runtime's buffer is padded to dp
+            h = _handle(z["uid"])
+            if h is not None:
+                return h.padded_numel * val.element_size()
+        return self._bytes(val)
+
+    def _note_symbols(self, val: torch.Tensor) -> None:
+        env = getattr(getattr(val, "fake_mode", None), "shape_env", None)
+        if env is None:
+            return
+        for s in val.shape:
+            if isinstance(s, torch.SymInt):
+                for sym in s.node.expr.free_symbols:
+                    if str(sym) not in self.symbols:
+                        srcs = env.var_to_sources.get(sym, [])
+                        names = [(src.name() if callable(src.name) else src.name) for src in srcs]
+                        self.symbols[str(sym)] = _source_name(names[0]) if names else "?"
+
+    # -- runtime nodes: shards, gradient shards, reduce copies ---------------------------------
+    def _runtime_nodes(self, rec: CompileRecord, stage: str, nodes: List[torch.fx.Node],
+                       pos: Dict[torch.fx.Node, int]) -> None:
+        tier = "cpu" if rec.config.offload_params == "cpu" else "device"
+        for n in nodes:
+            z = n.meta.get("zinf") or {}
+            if n.op != "call_function" or n.target not in (FETCH_SHARD, REDUCE_GRAD):
+                continue
+            uid, param = n.args[1], _pname(z.get("param"))
+            h = _handle(uid)
+            shard_numel = h.shard_numel if h is not None else None
+            if n.target is FETCH_SHARD:
+                shard_numel, dtype = n.args[2], n.args[3]
+                self._once(("param", uid), Interval(f"shard:{param}", tier, "param", "shard", 4 * shard_numel,
+                                                    0, self.END, "end", (), param))
+                if dtype != torch.float32:
+                    nb = shard_numel * torch.empty((), dtype=dtype).element_size()
+                    self._once(("copy", uid, dtype), Interval(f"{stage}:{n.name}", tier, "param", "compute_copy",
+                                                              nb, pos[n], self.END, "end", (), param))
+                continue
+            grad = n.args[0]
+            if shard_numel is None:
+                shard_numel = _expr(grad.meta["val"].numel()) if "val" in grad.meta else 0
+            self._once(("grad", uid), Interval(f"{stage}:{n.name}", tier, "grad", "shard", 4 * shard_numel,
+                                               pos[n], self.END, "end", (), param))
+            per_el, per_param = self.optim
+            if per_el:
+                self._once(("optim", uid), Interval(f"optim:{param}", tier, "optim", "shard",
+                                                    per_el * shard_numel + per_param, 0, self.END, "end", (), param))
+            copy_bytes = self._reduce_copy_bytes(grad.meta.get("val"), h)
+            if copy_bytes:
+                self.extra.append(Interval(f"{stage}:{n.name}", "device", "grad_buffer", "reduce_copy", copy_bytes,
+                                           pos[n], pos[n], f"{stage}:{n.name}", (), param))
+
+    def _once(self, key: Tuple, iv: Interval) -> None:
+        if key not in self.seen:
+            self.seen.add(key)
+            self.extra.append(iv)
+
+    @staticmethod
+    def _reduce_copy_bytes(val: Any, h: Optional[store.ParamHandle]) -> Bytes:
+        """What ``ParamHandle.reduce_grad`` allocates besides the gradient shard (see runtime/store.py)."""
+        if not isinstance(val, torch.Tensor):
+            return 0
+        numel = _expr(val.numel())
+        try:
+            contiguous = bool(val.is_contiguous())
+        except Exception:
+            contiguous = True
+        flat = numel * 4 if (not contiguous or val.dtype != torch.float32) else 0
+        if h is None or h.world == 1:
+            return flat
+        pad = h.padded_numel * 4 if h.padded_numel != h.numel else 0
+        return flat + pad + h.shard_numel * 4
+
+    # -- result ----------------------------------------------------------------------------------
+    def finish(self, graphs: List[Tuple[int, str]]) -> "MemoryPlan":
+        last_step = len(self.steps) - 1
+        fix = lambda i: last_step if i == self.END else i  # noqa: E731
+        groups: Dict[Tuple, List[_Val]] = {}
+        for v in self.vals.values():
+            root = v
+            while root.parent is not None:
+                root = self.vals[root.parent]
+            groups.setdefault(root.key, []).append(v)
+        out: List[Interval] = []
+        for rkey, members in groups.items():
+            root = self.vals[rkey]
+            if root.nbytes == 0:
+                continue
+            last = max(members, key=lambda m: fix(m.end))
+            end, end_node = fix(last.end), last.end_node
+            z = (root.node.meta.get("zinf") or {}) if root.node is not None else {}
+            users = [u for m in members if m.node is not None for u in m.node.users
+                     if m.key[3] is None or u.target is not operator.getitem]
+            kind, role = "activation", root.role
+            if z.get("owns_full"):
+                kind = "gathered"
+                rel = [u for u in users if u.target is RELEASE and u.args[0] is root.node]
+                if rel:
+                    end, end_node = max(end, self.step_of[(rkey[0], rkey[1], rel[0].name)]), f"{rkey[1]}:{rel[0].name}"
+            elif z.get("kind") == "fetch_shard":
+                role = "fetched_shard"
+            elif any(u.target is REDUCE_GRAD for u in users):
+                kind = "grad_buffer"
+            saved = [m for m in members if m.role == "saved"]
+            if saved and self.hold_saved:  # AOTAutograd's ctx holds saved tensors until backward returns
+                end = max([end] + [self.stage_last[(m.key[0], m.key[1])] for m in saved])
+                end_node = f"end of {saved[0].key[1]}" if end != fix(last.end) else end_node
+            if role == "temp" and saved:
+                role = "saved"
+            if role == "temp" and end_node == "end":
+                role = "output"
+            out.append(Interval(f"{rkey[1]}:{root.name}", "device", kind, role, root.nbytes, root.start,
+                                max(end, root.start), end_node,
+                                tuple(f"{m.key[1]}:{m.name}" for m in members if m is not root),
+                                _pname(z.get("param"))))
+        out += [Interval(iv.name, iv.tier, iv.kind, iv.role, iv.nbytes, iv.start, fix(iv.end), iv.end_node,
+                         iv.aliases, iv.param) for iv in self.extra]
+        out.sort(key=lambda iv: (iv.start, iv.name))
+        return MemoryPlan(self.steps, out, dict(self.symbols), graphs)
+
+
+def _source_name(name: str) -> str:
+    """Dynamo's ``L['args'][0].size()[1]`` (inputs of ``_planned``) -> ``input 0 dim 1``."""
+    m = re.fullmatch(r"L\['args'\]\[(\d+)\]\.size\(\)\[(\d+)\]", name)
+    return f"input {m[1]} dim {m[2]}" if m else name
+
+
+def _pname(name: Optional[str]) -> Optional[str]:
+    return re.sub(r"^(l_self\.)?inner\.", "", name) if name else name  # see _planned
+
+
+def _handle(uid: int) -> Optional[store.ParamHandle]:
+    try:
+        return store.get(uid)
+    except RuntimeError:
+        return None
+
+
+def _sym_max(xs: Iterable[Bytes]) -> Bytes:
+    """Max of byte counts; for sympy polynomials in positive sizes, dominated terms are dropped first."""
+    uniq = list(dict.fromkeys(xs))
+    if not uniq:
+        return 0
+    if not any(_is_sym(x) for x in uniq):
+        return max(int(x) for x in uniq)
+    syms = sorted(set().union(*(sympy.sympify(x).free_symbols for x in uniq)), key=str)
+    try:
+        polys = [(x, sympy.Poly(x, *syms).as_dict()) for x in uniq]
+    except sympy.PolynomialError:  # floor/ceil/Max of sizes: no pruning
+        return sympy.Max(*uniq, evaluate=False)
+    kept: List[Tuple[Bytes, Dict]] = []
+    for x, p in polys:  # a >= b for all positive sizes when every coefficient of a - b is >= 0
+        if any(all(q.get(m, 0) - p.get(m, 0) >= 0 for m in set(p) | set(q)) for _, q in kept):
+            continue
+        kept = [(y, q) for y, q in kept if not all(p.get(m, 0) - q.get(m, 0) >= 0 for m in set(p) | set(q))]
+        kept.append((x, p))
+    return kept[0][0] if len(kept) == 1 else sympy.Max(*[x for x, _ in kept], evaluate=False)
+
+
+@dataclass
+class MemoryPlan:
+    """Live intervals over the schedule; see the module docstring."""
+
+    steps: List[Step]
+    intervals: List[Interval]
+    symbols: Dict[str, str] = field(default_factory=dict)  # size symbol -> the input dimension it stands for
+    graphs: List[Tuple[int, str]] = field(default_factory=list)
+    _cache: Dict[Any, List[Bytes]] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def symbolic(self) -> bool:
+        return any(_is_sym(iv.nbytes) for iv in self.intervals)
+
+    def stage_ranges(self) -> List[Tuple[str, int, int]]:
+        """``(stage, first step, last step)`` per contiguous run of one graph's stage."""
+        out: List[Tuple[str, int, int]] = []
+        for s in self.steps:
+            if out and out[-1][0] == s.stage and s.index == out[-1][2] + 1:
+                out[-1] = (s.stage, out[-1][1], s.index)
+            else:
+                out.append((s.stage, s.index, s.index))
+        return out
+
+    def timeline(self, tier: Optional[str] = None, kind: Optional[str] = None) -> List[Bytes]:
+        """Bytes live at each step, on ``tier`` (all tiers if None), of ``kind`` (all kinds if None)."""
+        key = (tier, kind)
+        if key not in self._cache:
+            diff: List[Bytes] = [0] * (len(self.steps) + 1)
+            for iv in self.intervals:
+                if (tier is None or iv.tier == tier) and (kind is None or iv.kind == kind):
+                    diff[iv.start] += iv.nbytes
+                    diff[iv.end + 1] -= iv.nbytes
+            cur: Bytes = 0
+            line = []
+            for d in diff[:-1]:
+                cur = cur + d
+                line.append(sympy.expand(cur) if _is_sym(cur) else int(cur))
+            self._cache[key] = line
+        return self._cache[key]
+
+    def peak(self, tier: str = "device", kind: Optional[str] = None) -> Bytes:
+        """Predicted peak bytes (a sympy expression, possibly a ``Max``, when sizes are symbolic)."""
+        key = ("peak", tier, kind)
+        if key not in self._cache:
+            self._cache[key] = [_sym_max(self.timeline(tier, kind))]
+        return self._cache[key][0]
+
+    def peak_step(self, tier: str = "device") -> int:
+        if self.symbolic:
+            raise ValueError("memory plan is symbolic: the peak step depends on the sizes; evaluate() it first")
+        line = self.timeline(tier)
+        return max(range(len(line)), key=lambda i: (line[i], -i)) if line else 0
+
+    def at_peak(self, tier: str = "device") -> Dict[str, Bytes]:
+        """Bytes of each kind at the tier's peak step (they sum to ``peak(tier)``)."""
+        i = self.peak_step(tier)
+        return {k: self.timeline(tier, k)[i] if self.steps else 0 for k in KINDS}
+
+    def live_at(self, step: int, tier: Optional[str] = None) -> List[Interval]:
+        return [iv for iv in self.intervals if iv.start <= step <= iv.end and (tier is None or iv.tier == tier)]
+
+    def size_symbol(self, input_index: int, dim: int) -> str:
+        """The symbol standing for ``example_inputs[input_index].shape[dim]`` (for ``evaluate``)."""
+        want = f"input {input_index} dim {dim}"
+        for name, src in self.symbols.items():
+            if src == want:
+                return name
+        raise KeyError(f"no size symbol for {want}; this plan has {self.symbols}")
+
+    def evaluate(self, **sizes: int) -> "MemoryPlan":
+        """The plan at concrete sizes, e.g. ``plan.evaluate(s0=8)`` (names: ``plan.symbols``)."""
+        unknown = set(sizes) - set(self.symbols)
+        if unknown:
+            raise ValueError(f"evaluate: unknown size symbols {sorted(unknown)}; this plan has {self.symbols}")
+
+        def ev(x: Bytes) -> int:
+            if not _is_sym(x):
+                return int(x)
+            y = x.subs({s: sizes[str(s)] for s in x.free_symbols if str(s) in sizes})
+            if not y.is_number:
+                raise ValueError(f"evaluate: give a value for {sorted(map(str, y.free_symbols))} ({self.symbols})")
+            return int(y)
+
+        ivs = [Interval(iv.name, iv.tier, iv.kind, iv.role, ev(iv.nbytes), iv.start, iv.end, iv.end_node,
+                        iv.aliases, iv.param) for iv in self.intervals]
+        return MemoryPlan(self.steps, ivs, {}, self.graphs)
+
+    # -- rendering -------------------------------------------------------------------------------
+    def _header(self) -> str:
+        stages = ", ".join(f"{e - s + 1} {st}" for st, s, e in self.stage_ranges())
+        graphs = ", ".join(f"graph {i} {n}" for i, n in self.graphs)
+        return f"zinf memory plan: {graphs}; schedule = {stages} nodes (FX order)"
+
+    def table(self, top: int = 8) -> str:
+        lines = [self._header()]
+        if self.symbolic:
+            lines += ["sizes: " + ", ".join(f"{k} = {v}" for k, v in self.symbols.items()),
+                      "(figures in bytes; plan.evaluate(**sizes) gives numbers)"]
+        lines += ["", f"{'tier':<8}{'kind':<13}{'at peak':<14}own peak"]
+        for tier in TIERS:
+            if not any(iv.tier == tier for iv in self.intervals) and tier != "device":
+                continue
+            at = {} if self.symbolic else self.at_peak(tier)
+            for kind in KINDS:
+                own = self.peak(tier, kind)
+                if own != 0:
+                    lines.append(f"{tier:<8}{kind:<13}{_fmt(at[kind]) if at else '-':<14}{_fmt(own)}")
+            total = self.peak(tier)
+            where = ""
+            if not self.symbolic and self.steps:
+                s = self.steps[self.peak_step(tier)]
+                where = f"peak at step {s.index} ({s.stage} {s.node})"
+            lines.append(f"{tier:<8}{'total':<13}{_fmt(total):<14}{where}")
+        if not self.symbolic and self.steps and top:
+            i = self.peak_step("device")
+            live = sorted(self.live_at(i, "device"), key=lambda iv: -int(iv.nbytes))[:top]
+            lines += ["", "live at the device peak, largest first:"]
+            for iv in live:
+                what = iv.name.split(":", 1)[-1]
+                what += f" ({iv.param})" if iv.param and iv.param != what else ""
+                span = f"{self._where(iv.start)} -> {iv.end_node if iv.end_node != 'end' else 'end of step'}"
+                if iv.start == 0 and iv.role == "shard":
+                    span = "whole step"
+                lines.append(f"  {_fmt(iv.nbytes):>12}  {iv.kind:<12} {iv.role:<13} {what:<36} {span}")
+        return "\n".join(lines)
+
+    def _where(self, i: int) -> str:
+        s = self.steps[i] if self.steps else None
+        return f"{s.stage}:{s.node}" if s else "-"
+
+    def to_dict(self) -> Dict[str, Any]:
+        j = lambda x: str(x) if _is_sym(x) else int(x)  # noqa: E731
+        peaks: Dict[str, Any] = {}
+        for tier in TIERS:
+            peaks[tier] = {"total": j(self.peak(tier)), "kinds": {k: j(self.peak(tier, k)) for k in KINDS}}
+            if not self.symbolic:
+                peaks[tier]["step"] = self.peak_step(tier)
+                peaks[tier]["at_peak"] = {k: j(v) for k, v in self.at_peak(tier).items()}
+        return {
+            "graphs": [{"id": i, "name": n} for i, n in self.graphs],
+            "symbolic": self.symbolic, "symbols": self.symbols, "peaks": peaks,
+            "steps": [asdict(s) for s in self.steps],
+            "intervals": [{**asdict(iv), "nbytes": j(iv.nbytes), "aliases": list(iv.aliases)}
+                          for iv in self.intervals],
+            "timeline": {t: [j(x) for x in self.timeline(t)] for t in TIERS},
+        }
+
+    def to_json(self, indent: Optional[int] = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def save(self, folder: str) -> Tuple[str, str]:
+        """Write ``plan.json`` and ``plan.txt`` into ``folder``; return their paths."""
+        os.makedirs(folder, exist_ok=True)
+        pj, pt = os.path.join(folder, "plan.json"), os.path.join(folder, "plan.txt")
+        with open(pj, "w") as f:
+            f.write(self.to_json())
+        with open(pt, "w") as f:
+            f.write(self.table() + "\n")
+        return pj, pt
+
+    def plot(self, path: str, tier: str = "device", backend: str = "auto") -> str:
+        """PNG of ``tier``'s bytes per kind over the schedule (``backend``: auto | matplotlib | png)."""
+        if self.symbolic:
+            raise ValueError("plot: the plan is symbolic; plot plan.evaluate(**sizes) instead")
+        lines = {k: [int(x) for x in self.timeline(tier, k)] for k in KINDS}
+        if backend in ("auto", "matplotlib"):
+            try:
+                import matplotlib
+
+                matplotlib.use("Agg")
+                import matplotlib.pyplot as plt
+            except ImportError:
+                if backend == "matplotlib":
+                    raise
+            else:
+                fig, ax = plt.subplots(figsize=(10, 4))
+                kinds = [k for k in _STACK if any(lines[k])]
+                ax.stackplot(range(len(self.steps)), *[lines[k] for k in kinds], labels=kinds, step="post",
+                             colors=[tuple(c / 255 for c in _COLORS[k]) for k in kinds])
+                for st, s, _ in self.stage_ranges()[1:]:
+                    ax.axvline(s, color="k", lw=0.8)
+                ax.axhline(int(self.peak(tier)), color="r", lw=0.8, ls="--", label="peak")
+                ax.set_xlabel("schedule step (forward, then backward nodes)")
+                ax.set_ylabel(f"{tier} bytes")
+                ax.legend(loc="upper left", fontsize=8)
+                fig.tight_layout()
+                fig.savefig(path)
+                plt.close(fig)
+                return path
+        _png_stack(path, lines, [s for _, s, _ in self.stage_ranges()[1:]])
+        return path
+
+
+_STACK = ("param", "optim", "grad", "gathered", "grad_buffer", "activation")  # bottom to top
+_COLORS = {"activation": (66, 133, 244), "gathered": (244, 160, 0), "grad_buffer": (15, 157, 88),
+           "param": (150, 150, 150), "grad": (120, 120, 120), "optim": (90, 90, 90)}
+
+
+def _png_stack(path: str, lines: Dict[str, List[int]], marks: List[int], width: int = 800, height: int = 300) -> None:
+    """A dependency-free stacked-area PNG (no text; colours as in the module docstring)."""
+    n = len(next(iter(lines.values()))) or 1
+    totals = [sum(lines[k][i] for k in KINDS) for i in range(n)]
+    top = max(totals) or 1
+    px = [[(255, 255, 255)] * width for _ in range(height)]
+    for x in range(width):
+        lo, hi = x * n // width, max(x * n // width + 1, (x + 1) * n // width)
+        i = max(range(lo, min(hi, n)), key=totals.__getitem__)
+        y0 = 0
+        for k in _STACK:
+            h = lines[k][i] * (height - 10) // top
+            for y in range(y0, min(y0 + h, height)):
+                px[height - 1 - y][x] = _COLORS[k]
+            y0 += h
+    for m in marks:
+        for y in range(height):
+            px[y][min(width - 1, m * width // n)] = (0, 0, 0)
+    for x in range(width):
+        px[9][x] = (220, 0, 0)
+    raw = b"".join(b"\x00" + bytes(c for p in row for c in p) for row in px)
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+
+    with open(path, "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+                + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+
+
+# -- building plans ------------------------------------------------------------------------------
+
+
+def build_plan(records: Sequence[CompileRecord], optimizer: Optional[str] = None,
+               hold_saved: bool = True) -> MemoryPlan:
+    """The plan of one step over ``records``' final graphs: forwards in order, then backwards reversed.
+
+    Records that only hold an inference graph contribute it instead. ``optimizer`` ("adamw", "adam",
+    "sgd" with momentum, or None) adds the optimizer state shards. The records' parameters must still be
+    alive (the runtime's store is read for shard sizes).
+    """
+    b = _Builder(optimizer)
+    fwd = [r for r in records if "forward" in r.final_modules and "backward" in r.final_modules]
+    inf = [r for r in records if "inference" in r.final_modules and r not in fwd]
+    params: Dict[int, set] = {}
+    saved: Dict[int, set] = {}
+    for r in fwd + inf:
+        ps = set()
+        for gm in r.final_modules.values():
+            ps |= {n.args[0].name for n in gm.graph.nodes if n.op == "call_function" and n.target is FETCH_SHARD}
+        params[r.id] = ps
+        bw = r.final_modules.get("backward")
+        saved[r.id] = {n.name for n in bw.graph.nodes if n.op == "placeholder"
+                       and not n.name.startswith("tangents")} if bw is not None else set()
+    for r in fwd:
+        b.add_graph(r, "forward", r.final_modules["forward"], params[r.id], saved[r.id])
+    for r in inf:
+        b.add_graph(r, "inference", r.final_modules["inference"], params[r.id], set())
+    for r in reversed(fwd):
+        b.add_graph(r, "backward", r.final_modules["backward"], params[r.id], saved[r.id])
+    if not b.steps:
+        raise ValueError("memory_plan: the compile records hold no forward/backward or inference graph")
+    return b.finish([(r.id, r.name) for r in fwd + inf])
+
+
+def _private_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy with real parameter data, unknown to zinf's store (gathers if ``model`` is partitioned)."""
+    if any(store.handle_of(p) is not None for p in model.parameters()):
+        from .state import gathered
+
+        with gathered(model):
+            clone = copy.deepcopy(model)
+    else:
+        clone = copy.deepcopy(model)
+    for p in clone.parameters():
+        if hasattr(p, store.UID_ATTR):
+            delattr(p, store.UID_ATTR)
+    return clone
+
+
+_plan_ids = itertools.count()
+
+
+class _Planned(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+
+def _planned(inner: torch.nn.Module) -> torch.nn.Module:
+    """``inner`` behind a forward with a code object of its own.
+
+    Dynamo caches compiled graphs per code object, and a zinf graph bakes in its parameters' store
+    uids: the copy must never share a cache entry with the user's model (or an earlier plan's copy).
+    """
+
+    def forward(self: _Planned, *args: Any) -> Any:
+        return self.inner(*args)
+
+    code = forward.__code__.replace(co_name=f"zinf_memory_plan_{next(_plan_ids)}")
+    fn = types.FunctionType(code, forward.__globals__, code.co_name)
+    return type("_Planned", (_Planned,), {"forward": fn})(inner)
+
+
+def _default_loss(out: Any) -> torch.Tensor:
+    outs = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+    if not outs:
+        raise ValueError("memory_plan: no output requires grad; pass train=False or a loss_fn")
+    return outs[0] if len(outs) == 1 and outs[0].dim() == 0 else sum(o.float().sum() for o in outs)
+
+
+def memory_plan(
+    model: torch.nn.Module,
+    example_inputs: Union[torch.Tensor, Sequence[Any]],
+    *,
+    loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+    dynamic: Union[None, bool, Dict[int, Sequence[int]]] = None,
+    optimizer: Optional[str] = None,
+    train: bool = True,
+    hold_saved: bool = True,
+    **options: Any,
+) -> MemoryPlan:
+    """Plan the memory of one training step of ``model`` on ``example_inputs`` under the zinf backend.
+
+    ``options`` are the backend's (``offload_params``, ``mixed_precision``, ``dump_dir``, ...;
+    ``compiler`` defaults to ``"eager"``). ``model`` is not touched: a deep copy is compiled and run
+    once (forward, and backward through ``loss_fn(output)``, default: the output if it is a scalar, else
+    the sum of the outputs), with the RNG state restored afterwards. That run raises the process's
+    ``memory_stats()`` peaks; call ``reset_peak_memory_stats()`` after planning if you track them.
+    ``dynamic``: passed to ``torch.compile`` (True: every size symbolic), or ``{input index: dims}`` to
+    make just those dimensions symbolic (``torch._dynamo.mark_dynamic``); ``plan.symbols`` then names
+    them (``{"s27": "input 0 dim 0"}``) and ``plan.size_symbol(0, 0)`` finds one. ``optimizer`` and
+    ``hold_saved``: see ``build_plan``. With dp > 1, and a model that is already partitioned, every rank must call it.
+    """
+    options = dict(options)
+    options.setdefault("compiler", "eager")
+    cfg = Config.from_options(options)
+    inputs = [example_inputs] if isinstance(example_inputs, torch.Tensor) else list(example_inputs)
+    inputs = [t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+              for t in inputs]
+    if isinstance(dynamic, dict):
+        for i, dims in dynamic.items():
+            torch._dynamo.mark_dynamic(inputs[i], list(dims))
+        dynamic = None
+    clone = _private_copy(model)
+    last = max((r.id for r in compile_records()), default=-1)
+    cmodel = torch.compile(_planned(clone), backend="zinf", options=options, dynamic=dynamic)
+    devices = sorted({t.device.index or 0 for t in inputs if isinstance(t, torch.Tensor) and t.is_cuda})
+    with torch.random.fork_rng(devices=devices):
+        if train:
+            out = cmodel(*inputs)
+            (loss_fn or _default_loss)(out).backward()
+        else:
+            with torch.no_grad():
+                cmodel(*inputs)
+    records = [r for r in compile_records() if r.id > last]
+    if not records:
+        raise RuntimeError("memory_plan: running the copy compiled no zinf graph (Dynamo reused a cached one?); "
+                           "call torch._dynamo.reset() and retry")
+    plan = build_plan(records, optimizer=optimizer, hold_saved=hold_saved)
+    if cfg.dump_dir:
+        plan.save(str(cfg.dump_dir))
+    del cmodel, clone
+    return plan
+
+
+# -- command line (``zinf memplan``) ----------------------------------------------------------------
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("target", help="'gpt' (the reference GPT, sized by the flags below), 'pkg.module:factory' "
+                                  "(factory() returns (model, example_inputs)), or a dump_dir holding plan.txt")
+    g = p.add_argument_group("gpt")
+    for flag, default in (("layers", 4), ("hidden", 256), ("heads", 8), ("seq", 128), ("vocab", 512), ("batch", 8)):
+        g.add_argument(f"--{flag}", type=int, default=default, help=f"default {default}")
+    o = p.add_argument_group("zinf options")
+    o.add_argument("--offload-params", choices=("none", "cpu"), default="none")
+    o.add_argument("--mixed-precision", choices=("bf16", "fp16"), default=None)
+    o.add_argument("--compiler", choices=("eager", "inductor"), default="eager")
+    o.add_argument("--dump-dir", default=None, help="also write the graphs and plan.json / plan.txt there")
+    p.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default=None, help="count optimizer state")
+    p.add_argument("--dynamic-batch", action="store_true", help="make dim 0 of every input symbolic")
+    p.add_argument("--json", action="store_true", help="print plan.to_json()")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write device bytes over the schedule as a PNG")
+
+
+def run_cli(args: Any) -> int:
+    if os.path.isdir(args.target):
+        path = os.path.join(args.target, "plan.json" if args.json else "plan.txt")
+        if not os.path.exists(path):
+            raise ValueError(f"no {os.path.basename(path)} in {args.target!r}; run memory_plan with dump_dir set")
+        with open(path) as f:
+            print(f.read().rstrip())
+        return 0
+    if args.target == "gpt":
+        from .models import GPT, GPTConfig, make_batch
+
+        cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads)
+        torch.manual_seed(0)
+        model, inputs = GPT(cfg), make_batch(cfg, args.batch, seed=0)
+    elif ":" in args.target:
+        import importlib
+
+        mod, fn = args.target.split(":", 1)
+        model, inputs = getattr(importlib.import_module(mod), fn)()
+    else:
+        raise ValueError(f"memplan target {args.target!r}: expected 'gpt', 'pkg.module:factory' or a dump_dir")
+    inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+    dynamic = {i: [0] for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.dim()} \
+        if args.dynamic_batch else None
+    options = {"offload_params": args.offload_params, "mixed_precision": args.mixed_precision,
+               "compiler": args.compiler, "dump_dir": args.dump_dir}
+    plan = memory_plan(model, inputs, dynamic=dynamic, optimizer=args.optimizer, **options)
+    print(plan.to_json() if args.json else plan.table())
+    if args.plot:
+        target = plan if not plan.symbolic else plan.evaluate(
+            **{plan.size_symbol(i, 0): int(t.shape[0]) for i, t in enumerate(inputs)
+               if isinstance(t, torch.Tensor) and t.dim() and any(v == f"input {i} dim 0" for v in plan.symbols.values())})
+        print(f"plot: {target.plot(args.plot)}", file=sys.stderr)
+    return 0
