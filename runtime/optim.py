@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from . import accounting, comm, store
+from .tiers import Slot
 
 
 class ShardedOptimizerMixin:
@@ -38,8 +39,9 @@ class ShardedOptimizerMixin:
         swapped: List[tuple[dict, list]] = []
         moved: List[tuple[torch.Tensor, List[torch.Tensor]]] = []
         touched: List[store.ParamHandle] = []
+        streamed: List[tuple[int, store.ParamHandle]] = []
         try:
-            for group in self.param_groups:
+            for gi, group in enumerate(self.param_groups):
                 originals = group["params"]
                 shadows = []
                 for p in originals:
@@ -48,16 +50,19 @@ class ShardedOptimizerMixin:
                         shadows.append(p)
                         continue
                     units = h.units()
+                    if h.placement.master_tier == "nvme":
+                        streamed.extend((gi, u) for u in units if u.grad_slot.present)
+                        continue
+                    moved.append((p, [u.master.resident() for u in units]))
                     states = self._unit_states(p, len(units))
                     for unit, st in zip(units, states):
-                        shadow = unit.master
-                        shadow.grad = unit.grad
+                        shadow = unit.master.resident()
+                        shadow.grad = unit.grad_slot.resident()
                         if st:
                             self.state[shadow] = st
                         shadows.append(shadow)
-                        if unit.grad is not None:
+                        if unit.grad_slot.present:
                             touched.append(unit)
-                    moved.append((p, [u.master for u in units]))
                 swapped.append((group, originals))
                 group["params"] = shadows
             super().step()  # type: ignore[misc]
@@ -76,8 +81,75 @@ class ShardedOptimizerMixin:
                     self.state[p] = {"tiles": states}
         for h in touched:
             h.master_updated()
+        if streamed:
+            self._step_streamed(streamed)
         self._account_state()
         return loss
+
+    def _step_streamed(self, items: List[tuple[int, store.ParamHandle]]) -> None:
+        """Step units whose master, gradient and moments live on NVMe, a sub-group at a time.
+
+        Reads of sub-group k+1 are in flight while torch's kernels step sub-group k; writes of
+        sub-group k go out asynchronously. Resident bytes stay within about three sub-groups.
+        """
+        budget = items[0][1].placement.sub_group_bytes
+        groups: List[List[tuple[int, store.ParamHandle]]] = [[]]
+        size = 0
+        for gi, u in items:
+            b = 16 * u.shard_numel
+            if groups[-1] and size + b > budget:
+                groups.append([])
+                size = 0
+            groups[-1].append((gi, u))
+            size += b
+
+        def load(group: List[tuple[int, store.ParamHandle]]) -> list:
+            out = []
+            for gi, u in group:
+                master, hm = u.master.get_async()
+                grad, hg = u.grad_slot.get_async()
+                st = {k: slot.get_async() for k, slot in u.optim_slots.items()}
+                out.append((gi, u, master, grad, st, [h for h in (hm, hg, *(h for _, h in st.values())) if h]))
+            return out
+
+        pending = load(groups[0])
+        written: List[store.ParamHandle] = []
+        originals = [g["params"] for g in self.param_groups]
+        try:
+            for k in range(len(groups)):
+                current, pending = pending, (load(groups[k + 1]) if k + 1 < len(groups) else [])
+                lists: List[list] = [[] for _ in self.param_groups]
+                for gi, u, master, grad, st, handles in current:
+                    for h in handles:
+                        h.wait()
+                    master.grad = grad
+                    state = {name: t for name, (t, _) in st.items()}
+                    state.update(u.optim_small)
+                    if state:
+                        self.state[master] = state
+                    lists[gi].append(master)
+                for g, lst in zip(self.param_groups, lists):
+                    g["params"] = lst
+                super().step()  # type: ignore[misc]
+                for gi, u, master, grad, st, _ in current:
+                    master.grad = None
+                    u.master.set(master)
+                    for name, value in self.state.pop(master, {}).items():
+                        if torch.is_tensor(value) and value.numel() == u.shard_numel:
+                            if name not in u.optim_slots:
+                                u.optim_slots[name] = u._slot("nvme", "optim", value.dtype, f"optim.{name}")
+                            u.optim_slots[name].set(value)
+                        else:
+                            u.optim_small[name] = value
+                    u.master_updated()
+                    written.append(u)
+        finally:
+            for g, lst in zip(self.param_groups, originals):
+                g["params"] = lst
+        for u in written:  # surface write errors (e.g. a full disk) here, naming the path
+            for slot in (u.master, u.param_copy, *u.optim_slots.values()):
+                if slot is not None:
+                    slot.flush()
 
     def _unit_states(self, p: torch.Tensor, n: int) -> List[dict]:
         """The optimizer state of each unit of ``p`` (one, or one per tile under key ``"tiles"``)."""
@@ -115,20 +187,26 @@ class ShardedOptimizerMixin:
                 h = store.handle_of(p)
                 if h is not None:
                     for unit in h.units():
-                        if unit.grad is not None:
-                            grads.append(unit.grad)
+                        if unit.grad_slot.present:
+                            grads.append(unit.grad_slot)
                             group_of_grads = h.placement.group
                 elif p.grad is not None:
                     grads.append(p.grad)
+        def value(g: object) -> torch.Tensor:
+            return g.get() if isinstance(g, Slot) else g  # type: ignore[return-value]
+
         total = torch.zeros((), dtype=torch.float64)
         for g in grads:
-            total += g.detach().double().pow(2).sum().cpu()
+            total += value(g).detach().double().pow(2).sum().cpu()
         comm.all_reduce_sum(total, group_of_grads)
         norm = total.sqrt().float()
         coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0 and math.isfinite(coef):
             for g in grads:
-                g.mul_(coef)
+                t = value(g)
+                t.mul_(coef)
+                if isinstance(g, Slot) and g.tier == "nvme":
+                    g.set(t)
         return norm
 
     def _account_state(self) -> None:
@@ -136,7 +214,7 @@ class ShardedOptimizerMixin:
         per_tier: Dict[str, int] = {}
         for p, st in self.state.items():
             h = store.handle_of(p)
-            tier = h.placement.tier if h is not None else "device"
+            tier = h.placement.master_tier if h is not None else "device"
             n = sum(v.numel() * v.element_size() for d in st.get("tiles", [st]) for v in d.values() if torch.is_tensor(v))
             per_tier[tier] = per_tier.get(tier, 0) + n
         before: Dict[str, int] = getattr(self, "_zinf_state_bytes", {})

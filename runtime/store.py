@@ -21,7 +21,8 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import accounting, comm
+from . import accounting, comm, tiers
+from .swap import SwapConfig
 
 UID_ATTR = "_zinf_uid"
 _uids = itertools.count(1)
@@ -31,14 +32,36 @@ _lock = threading.Lock()
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a parameter's shards live and how they are reduced; fixed at partition time."""
+    """Where a parameter's shards live and how they are reduced; fixed at partition time.
 
-    tier: str  # "device" or "cpu"
+    ``tier`` holds the parameter copy that forward/backward fetch; ``optim_tier`` holds the fp32
+    master, the gradient shard and the optimizer state (they are one tensor when both tiers are the
+    same memory tier and the parameter is fp32). ``swap`` configures the NVMe tier.
+    """
+
+    tier: str  # "device", "cpu" or "nvme": the parameter copy
     compute_device: torch.device
     group: Optional[object] = None  # torch.distributed ProcessGroup or None (default group / dp=1)
+    optim_tier: Optional[str] = None  # None: same as ``tier`` ("device"/"cpu"/"nvme")
+    swap: Optional[SwapConfig] = None
+    sub_group_bytes: int = 256 << 20  # NVMe optimizer: bytes of states stepped at a time
+
+    def __post_init__(self) -> None:
+        for t in (self.tier, self.optim_tier):
+            if t not in (None, "device", "cpu", "nvme"):
+                raise ValueError(f"zinf: unknown tier {t!r}; choose 'device', 'cpu' or 'nvme'")
+        if "nvme" in (self.tier, self.optim_tier) and self.swap is None:
+            raise ValueError("zinf: the nvme tier needs a swap configuration (option nvme_path)")
+
+    @property
+    def master_tier(self) -> str:
+        return self.optim_tier or self.tier
+
+    def device_of(self, tier: str) -> torch.device:
+        return self.compute_device if tier == "device" else torch.device("cpu")
 
     def storage_device(self) -> torch.device:
-        return self.compute_device if self.tier == "device" else torch.device("cpu")
+        return self.device_of(self.master_tier)
 
 
 def _nbytes(t: Optional[torch.Tensor]) -> int:
@@ -46,7 +69,7 @@ def _nbytes(t: Optional[torch.Tensor]) -> int:
 
 
 class ParamHandle:
-    """One partitioned parameter: fp32 master shard, gradient shard, cached compute-dtype copies."""
+    """One partitioned parameter: fp32 master shard, gradient shard, parameter copy, each in a slot."""
 
     def __init__(self, name: str, shape: Sequence[int], dtype: torch.dtype, requires_grad: bool,
                  placement: Placement, flat: torch.Tensor, param: Optional[torch.nn.Parameter] = None):
@@ -62,21 +85,39 @@ class ParamHandle:
         self.padded_numel = self.shard_numel * self.world
         self.requires_grad = requires_grad
         self._param_ref = weakref.ref(param) if param is not None else (lambda: None)
-        lo = self.rank * self.shard_numel
-        own = flat[lo : min(lo + self.shard_numel, self.numel)]
-        dev = placement.storage_device()
-        self.master: Optional[torch.Tensor] = torch.zeros(self.shard_numel, dtype=torch.float32, device=dev)
-        self.master[: own.numel()].copy_(own)
-        if dev.type == "cpu" and placement.compute_device.type == "cuda":
-            self.master = self.master.pin_memory()
-        self.grad: Optional[torch.Tensor] = None
         self._compute: Dict[torch.dtype, torch.Tensor] = {}
         self._lock = threading.Lock()
         # set when the parameter is re-partitioned as tiles, each its own unit (memory-centric tiling)
         self.tiles: Optional[List["ParamHandle"]] = None
         self.tile_dim = 0
         self.tile_bounds: Tuple[Tuple[int, int], ...] = ()
-        accounting.add(placement.tier, "param", _nbytes(self.master))
+        pl = placement
+        self.master: Optional[tiers.Slot] = self._slot(pl.master_tier, "param", torch.float32, "master")
+        # the copy forward/backward fetch; None: the master serves (same memory tier, fp32 model)
+        shared = pl.tier == pl.master_tier and (pl.tier == "nvme" or dtype == torch.float32)
+        self.param_copy: Optional[tiers.Slot] = None if shared else self._slot(pl.tier, "param", dtype, "param")
+        self.grad_slot: tiers.Slot = self._slot(pl.master_tier, "grad", torch.float32, "grad")
+        # optimizer moments of an NVMe optimizer tier live here (memory tiers use optimizer.state);
+        # scalar entries (Adam's ``step``) stay in memory
+        self.optim_slots: Dict[str, tiers.Slot] = {}
+        self.optim_small: Dict[str, torch.Tensor] = {}
+        lo = self.rank * self.shard_numel
+        own = flat[lo : min(lo + self.shard_numel, self.numel)]
+        shard = torch.zeros(self.shard_numel, dtype=torch.float32)
+        shard[: own.numel()].copy_(own)
+        self.master.set(shard)
+        self._refresh_param_copy(shard)
+
+    def _slot(self, tier: str, kind: str, dtype: torch.dtype, what: str) -> tiers.Slot:
+        pl = self.placement
+        swap = tiers.engine(pl.swap, self.rank) if tier == "nvme" else None
+        pin = tier != "device" and pl.compute_device.type == "cuda"
+        return tiers.Slot(tier, kind, self.shard_numel, dtype, pl.device_of(tier), swap, f"u{self.uid}.{what}", pin)
+
+    @property
+    def grad(self) -> Optional[torch.Tensor]:
+        """The fp32 gradient shard (read from disk on the NVMe tier), or None."""
+        return self.grad_slot.get() if self.grad_slot.present else None
 
     def units(self) -> List["ParamHandle"]:
         """What the optimizer steps: the tiles of a tiled parameter, else the parameter itself."""
@@ -94,7 +135,7 @@ class ParamHandle:
                 raise ValueError(f"zinf: {self.name} is already tiled as {self.tile_bounds} along dim "
                                  f"{self.tile_dim}; cannot re-tile as {bounds} along {dim}")
             return self.tiles
-        if self.grad is not None:
+        if self.grad_slot.present:
             raise RuntimeError(f"zinf: cannot tile {self.name} while it holds an accumulated gradient")
         full = self._full_flat().view(self.shape)
         tiles = []
@@ -104,9 +145,7 @@ class ParamHandle:
                             self.placement, part.reshape(-1))
             _handles[t.uid] = t
             tiles.append(t)
-        accounting.sub(self.placement.tier, "param", _nbytes(self.master))
-        self.master_updated()
-        self.master = None
+        self._drop_data()
         self.tiles, self.tile_dim, self.tile_bounds = tiles, dim, bounds
         return tiles
 
@@ -114,31 +153,45 @@ class ParamHandle:
     def param(self) -> Optional[torch.nn.Parameter]:
         return self._param_ref()
 
-    def _whole(self) -> torch.Tensor:
+    def _whole(self) -> tiers.Slot:
         if self.master is None:
             raise RuntimeError(f"zinf: {self.name} is tiled; fetch its tiles, not the whole parameter")
         return self.master
 
     def shard_in(self, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's shard in ``dtype``, on its tier; compute-dtype copies are cached per step."""
-        self._whole()
-        if dtype == torch.float32:
-            return self.master
+        """This rank's shard in ``dtype`` on the parameter tier (NVMe: read into CPU memory);
+        compute-dtype copies of memory tiers are cached until the next optimizer step."""
+        slot = self.param_copy or self._whole()
+        if slot.tier == "nvme":
+            return slot.get().to(dtype)
+        src = slot.resident()
+        if dtype == src.dtype:
+            return src
         with self._lock:
             cached = self._compute.get(dtype)
             if cached is None:
-                cached = self.master.to(dtype)
+                cached = src.to(dtype)
                 self._compute[dtype] = cached
-                accounting.add(self.placement.tier, "param", _nbytes(cached))
+                accounting.add(slot.tier, "param", _nbytes(cached))
             return cached
 
     def master_updated(self) -> None:
-        """Drop compute copies after the optimizer changed the master shard."""
+        """After the optimizer changed the master: drop compute copies, refresh the parameter copy."""
         for t in self.tiles or ():
             t.master_updated()
+        self._drop_compute()
+        if self.param_copy is not None and self.master is not None:
+            self._refresh_param_copy(self.master.get())
+
+    def _refresh_param_copy(self, master: torch.Tensor) -> None:
+        if self.param_copy is not None:
+            self.param_copy.set(master.to(self.param_copy.dtype))
+
+    def _drop_compute(self) -> None:
+        tier = (self.param_copy or self.master).tier if (self.param_copy or self.master) else "device"
         with self._lock:
             for t in self._compute.values():
-                accounting.sub(self.placement.tier, "param", _nbytes(t))
+                accounting.sub(tier, "param", _nbytes(t))
             self._compute.clear()
 
     def fetch_shard(self, dtype: torch.dtype) -> torch.Tensor:
@@ -180,13 +233,13 @@ class ParamHandle:
         return full
 
     def _full_flat(self) -> torch.Tensor:
-        """Every rank's fp32 master shards joined, on the storage tier: a one-time re-layout (for
-        tiling) that never materializes on the compute device, so it is outside the budget."""
-        master = self._whole()
+        """Every rank's fp32 master shards joined, off the compute device: a one-time re-layout
+        (for tiling) that never materializes on the compute device, so it is outside the budget."""
+        master = self._whole().get()
         if self.world == 1:
             return master[: self.numel].clone()
         buf = torch.empty(self.padded_numel, dtype=master.dtype, device=master.device)
-        comm.all_gather_flat(buf, master, self.placement.group)
+        comm.all_gather_flat(buf, master.contiguous(), self.placement.group)
         return buf[: self.numel]
 
     def load_full(self, full: torch.Tensor) -> None:
@@ -198,14 +251,14 @@ class ParamHandle:
         flat = full.detach().reshape(-1)
         lo = self.rank * self.shard_numel
         own = flat[lo : min(lo + self.shard_numel, self.numel)]
-        with torch.no_grad():
-            self.master.zero_()
-            self.master[: own.numel()].copy_(own)
+        shard = torch.zeros(self.shard_numel, dtype=torch.float32)
+        shard[: own.numel()].copy_(own)
+        self._whole().set(shard)
         self.master_updated()
 
     # -- gradients -----------------------------------------------------------------------------
     def reduce_grad(self, grad: torch.Tensor) -> None:
-        """Reduce-scatter (mean over dp) ``grad`` and accumulate into the fp32 gradient shard."""
+        """Reduce-scatter (mean over dp) ``grad``; accumulate the fp32 shard on the optimizer's tier."""
         with accounting.gradient_buffer(_nbytes(grad), self.name):
             if self.tiles is not None:
                 for t, (lo, hi) in zip(self.tiles, self.tile_bounds):
@@ -223,28 +276,36 @@ class ParamHandle:
             shard = torch.empty(self.shard_numel, dtype=torch.float32, device=flat.device)
             comm.reduce_scatter_flat(shard, flat.contiguous(), self.placement.group)
             shard.div_(self.world)
-        dev = self.placement.storage_device()
-        if self.grad is None:
-            self.grad = shard.to(dev, copy=True)
-            accounting.add(self.placement.tier, "grad", _nbytes(self.grad))
-        else:
-            self.grad.add_(shard.to(dev))
+        slot = self.grad_slot
+        if not slot.present:
+            slot.set(shard)
+        elif slot.tier != "nvme":
+            slot.resident().add_(shard.to(slot.device))
+        else:  # read-modify-write: accumulation across micro-batches survives offload
+            acc = slot.get()
+            acc.add_(shard.to("cpu"))
+            slot.set(acc)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for t in self.tiles or ():
             t.zero_grad(set_to_none)
-        if self.grad is None:
+        if not self.grad_slot.present:
             return
-        if set_to_none:
-            accounting.sub(self.placement.tier, "grad", _nbytes(self.grad))
-            self.grad = None
+        if set_to_none or self.grad_slot.tier == "nvme":
+            self.grad_slot.drop()
         else:
-            self.grad.zero_()
+            self.grad_slot.resident().zero_()
+
+    def _drop_data(self) -> None:
+        self._drop_compute()
+        for slot in (self.master, self.param_copy, self.grad_slot, *self.optim_slots.values()):
+            if slot is not None:
+                slot.drop()
+        self.master = self.param_copy = None
+        self.optim_slots.clear()
 
     def _free(self) -> None:
-        accounting.sub(self.placement.tier, "param", _nbytes(self.master))
-        self.master_updated()
-        self.zero_grad()
+        self._drop_data()
         for t in self.tiles or ():
             _handles.pop(t.uid, None)
             t._free()

@@ -77,3 +77,18 @@ def test_gpt_dp2_with_tiling_matches_single_process_eager(tmp_path):
     tiled = 3 * CFG["layers"]
     assert counts["forward:zinf.all_gather.default"] == 24 - tiled + 3 * tiled
     assert counts["backward:zinf.reduce_grad.default"] == 24 - tiled + 3 * tiled
+
+
+def test_gpt_dp2_nvme_params_and_optimizer(tmp_path):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    res = run_dp(tmp_path, {"compiler": "eager", "offload_params": "nvme", "offload_optimizer": "nvme",
+                            "nvme_path": str(nvme), "optimizer_sub_group_bytes": 1 << 16})
+    losses, state = eager_reference()
+    torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    for k, v in state.items():
+        torch.testing.assert_close(res["state"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    total = res["total_param_bytes"]
+    for b in res["shard_bytes"]:  # half of every parameter per rank, on NVMe
+        assert total / 2 <= b <= total / 2 + 4 * 64, (b, total)
+    assert not any(nvme.iterdir()), "per-rank swap folders are removed at exit"

@@ -14,7 +14,8 @@ from typing import Any, Mapping, Optional
 import torch
 
 _CHOICES: dict[str, tuple] = {
-    "offload_params": ("none", "cpu"),
+    "offload_params": ("none", "cpu", "nvme"),
+    "offload_optimizer": ("none", "cpu", "nvme"),
     "mixed_precision": (None, "bf16", "fp16"),
     "compiler": ("inductor", "eager"),
 }
@@ -24,8 +25,19 @@ _CHOICES: dict[str, tuple] = {
 class Config:
     """Settings of one compile. Fields:
 
-    offload_params: where each rank keeps its fp32 parameter shards (and gradient shards):
-        ``"none"`` on the compute device, ``"cpu"`` in (pinned, with CUDA) host memory.
+    offload_params: where each rank keeps the parameter shards that forward and backward fetch:
+        ``"none"`` on the compute device, ``"cpu"`` in (pinned, with CUDA) host memory, ``"nvme"``
+        in files under ``nvme_path``.
+    offload_optimizer: where each rank keeps its fp32 master shards, gradient shards (moved there
+        as soon as they are reduce-scattered) and optimizer state: ``"none"`` (compute device),
+        ``"cpu"`` or ``"nvme"`` (stepped in sub-groups of ``optimizer_sub_group_bytes``, reading
+        the next sub-group while stepping one). Every combination with ``offload_params`` works.
+    nvme_path: an existing, writable directory on a fast local disk, required by either "nvme";
+        each rank swaps into its own 0700 folder there, removed at exit.
+    swap_block_size, swap_queue_depth, swap_buffer_count, swap_buffer_size: the swap engine's IO
+        block, requests in flight (IO threads), and aligned bounce-buffer pool.
+    optimizer_sub_group_bytes: state bytes (16 per parameter: master, gradient, two moments) an
+        NVMe optimizer steps at a time; bounds its host memory.
     mixed_precision: ``None`` trains in the model's dtype; ``"bf16"``/``"fp16"`` run the model as under
         ``torch.autocast`` with that dtype, all-gathering parameters in it where every use is a cast,
         while master weights, gradient shards and optimizer state stay fp32.
@@ -49,6 +61,13 @@ class Config:
     """
 
     offload_params: str = "none"
+    offload_optimizer: str = "none"
+    nvme_path: Optional[str] = None
+    swap_block_size: int = 1 << 20
+    swap_queue_depth: int = 8
+    swap_buffer_count: int = 4
+    swap_buffer_size: int = 64 << 20
+    optimizer_sub_group_bytes: int = 256 << 20
     mixed_precision: Optional[str] = None
     dump_dir: Optional[str] = field(default_factory=lambda: os.environ.get("ZINF_DUMP_DIR") or None)
     process_group: Optional[Any] = None
@@ -79,6 +98,11 @@ class Config:
                 f"zinf option 'disabled_passes': expected a tuple of pass names, got {self.disabled_passes!r}"
             )
         object.__setattr__(self, "disabled_passes", tuple(self.disabled_passes))
+        if "nvme" in (self.offload_params, self.offload_optimizer):
+            self._check_nvme_path()
+        if not isinstance(self.optimizer_sub_group_bytes, int) or self.optimizer_sub_group_bytes <= 0:
+            raise ValueError(f"zinf option 'optimizer_sub_group_bytes': invalid value "
+                             f"{self.optimizer_sub_group_bytes!r}; expected a positive int")
         for key, minimum in (("tile_threshold_bytes", 0), ("tiles", 1), ("device_memory_budget", 1)):
             value = getattr(self, key)
             if value is None and key != "tile_threshold_bytes":
@@ -94,6 +118,32 @@ class Config:
                     f"zinf option 'process_group': expected a torch.distributed.ProcessGroup or None, "
                     f"got {type(self.process_group).__name__}"
                 )
+
+    def _check_nvme_path(self) -> None:
+        path = self.nvme_path
+        if not path:
+            raise ValueError("zinf option 'nvme_path' is required with offload_params/offload_optimizer='nvme'; "
+                             "set it to an existing, writable directory on a fast local disk")
+        if not os.path.isdir(path):
+            raise ValueError(f"zinf option 'nvme_path': {path!r} is not an existing directory; create it "
+                             f"(mkdir -p {path}) or point nvme_path at one")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"zinf option 'nvme_path': {path!r} is not writable; fix its permissions or "
+                             "choose another directory")
+        self.swap_config()  # validates the swap settings, naming the bad one
+
+    def swap_config(self) -> Any:
+        """The runtime's swap settings (None without an NVMe tier)."""
+        if "nvme" not in (self.offload_params, self.offload_optimizer):
+            return None
+        from zinf_runtime.swap import SwapConfig
+
+        try:
+            return SwapConfig(nvme_path=os.path.abspath(str(self.nvme_path)), block_size=self.swap_block_size,
+                              queue_depth=self.swap_queue_depth, buffer_count=self.swap_buffer_count,
+                              buffer_size=self.swap_buffer_size)
+        except ValueError as e:  # name our option, not the runtime's field
+            raise ValueError(f"zinf swap option: {e}".replace("SwapConfig.", "swap_")) from None
 
     @classmethod
     def from_options(cls, options: Optional[Mapping[str, Any]] = None) -> "Config":

@@ -45,7 +45,7 @@ def main(out_path: str, options_json: str, steps: int, global_batch: int, cfg_js
         dist.all_reduce(t)
         losses.append(t.item() / world)
     stats = zinf_compile.memory_stats()
-    tier = "cpu" if options.get("offload_params") == "cpu" else "device"
+    tier = {"none": "device", "cpu": "cpu", "nvme": "nvme"}[options.get("offload_params", "none")]
     shard_bytes = torch.tensor([stats[tier]["param"]["current"]], dtype=torch.int64)
     all_shards = [torch.zeros_like(shard_bytes) for _ in range(world)]
     dist.all_gather(all_shards, shard_bytes)

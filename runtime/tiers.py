@@ -1,0 +1,121 @@
+"""Slots: one fixed-size tensor kept on one memory tier (device, CPU, or NVMe through the swap engine).
+
+The store keeps each shard (fp32 master, parameter copy, gradient, optimizer moments) in a slot, so
+the same code serves every combination of ``offload_params`` and ``offload_optimizer``::
+
+    memory tier:  slot.get() -> the resident tensor (mutable in place); slot.set(t) copies into it
+    nvme tier:    slot.get() -> a fresh CPU tensor read from disk;      slot.set(t) writes a new version
+
+Swap engines are per process, one per (settings, rank): each owns its own 0700 folder under
+``nvme_path``, removed at exit.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from . import accounting
+from .swap import SwapConfig, SwapEngine, SwapHandle
+
+_engines: Dict[Tuple[SwapConfig, int], SwapEngine] = {}
+_engines_lock = threading.Lock()
+
+
+def engine(cfg: SwapConfig, rank: int) -> SwapEngine:
+    """The process's swap engine for these settings and rank (created on first use)."""
+    with _engines_lock:
+        eng = _engines.get((cfg, rank))
+        if eng is None:
+            eng = SwapEngine(cfg, rank)
+            _engines[(cfg, rank)] = eng
+        return eng
+
+
+@dataclass
+class Slot:
+    """A 1-D tensor of ``numel`` x ``dtype`` on ``tier``; see the module docstring."""
+
+    tier: str
+    kind: str  # accounting kind: "param", "grad" or "optim"
+    numel: int
+    dtype: torch.dtype
+    device: torch.device  # where a memory-tier slot lives
+    swap: Optional[SwapEngine] = None
+    key: str = ""
+    pin: bool = False
+
+    def __post_init__(self) -> None:
+        self._mem: Optional[torch.Tensor] = None
+        self._written = False
+        self._pending: Optional[SwapHandle] = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def present(self) -> bool:
+        return self._mem is not None or self._written
+
+    def resident(self) -> Optional[torch.Tensor]:
+        """The in-memory tensor of a memory-tier slot (None on NVMe or when empty)."""
+        return self._mem
+
+    def set(self, value: torch.Tensor) -> None:
+        """Store ``value`` (copied; the caller may reuse it once ``set`` returns on memory tiers)."""
+        if self.tier != "nvme":
+            if self._mem is None:
+                self._mem = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+                if self.pin:
+                    self._mem = self._mem.pin_memory()
+                accounting.add(self.tier, self.kind, self.nbytes)
+            self._mem.copy_(value.reshape(-1))
+            return
+        data = value.detach().reshape(-1).to("cpu", self.dtype)
+        if data.data_ptr() == value.data_ptr():
+            data = data.clone()  # the write is asynchronous: the caller may change value afterwards
+        if not self._written:
+            accounting.add("nvme", self.kind, self.nbytes)
+        self._pending = self.swap.write(self.key, data)
+        self._written = True
+
+    def get(self) -> torch.Tensor:
+        """The value: the resident tensor, or a fresh CPU tensor read from disk."""
+        t, h = self.get_async()
+        if h is not None:
+            h.wait()
+        return t
+
+    def get_async(self) -> Tuple[torch.Tensor, Optional[SwapHandle]]:
+        """Start reading (NVMe); the tensor is valid once the handle's ``wait()`` returns."""
+        if self.tier != "nvme":
+            if self._mem is None:
+                raise RuntimeError(f"zinf: slot {self.key or self.kind} is empty")
+            return self._mem, None
+        if not self._written:
+            raise RuntimeError(f"zinf: swap key {self.key} was never written")
+        out = torch.empty(self.numel, dtype=self.dtype)
+        if self.pin:
+            out = out.pin_memory()
+        return out, self.swap.read(self.key, out)
+
+    def flush(self) -> None:
+        """Wait for this slot's last write (so its error, e.g. disk full, surfaces here)."""
+        if self._pending is not None:
+            h, self._pending = self._pending, None
+            h.wait()
+
+    def drop(self) -> None:
+        """Free the slot's memory or file."""
+        if self._mem is not None:
+            accounting.sub(self.tier, self.kind, self.nbytes)
+            self._mem = None
+        if self._written:
+            self._pending = None
+            self.swap.remove(self.key)
+            accounting.sub("nvme", self.kind, self.nbytes)
+            self._written = False
