@@ -14,6 +14,7 @@ Graphs reach the store only through ``torch.ops.zinf.*`` ops carrying the intege
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import accounting, comm, tiers
+from . import accounting, comm, tiers, triton_copy
 from .swap import SwapConfig
 
 UID_ATTR = "_zinf_uid"
@@ -195,11 +196,21 @@ class ParamHandle:
             self._compute.clear()
 
     def fetch_shard(self, dtype: torch.dtype) -> torch.Tensor:
-        """A private copy of this rank's shard on the compute device (never the master itself)."""
-        src = self.shard_in(dtype)
+        """A private copy of this rank's shard on the compute device (never the master itself).
+
+        From host memory on CUDA, one fused Triton kernel reads the pinned shard and casts it while
+        copying (``triton_copy.gather_cast``), instead of a host-side cast plus a copy.
+        """
+        slot = self.param_copy or self._whole()
         out = torch.empty(self.shard_numel, dtype=dtype, device=self.placement.compute_device)
         if self.world == 1:  # the shard is the whole parameter: it is what gets released
             _track_gathered(out, self.name)
+        host = slot.get() if slot.tier == "nvme" else slot.resident()
+        if fused_copy_enabled(host, out):
+            triton_copy.gather_cast([host], out)
+            fused_copies["gather_cast"] += 1
+            return out
+        src = self.shard_in(dtype) if slot.tier != "nvme" else host.to(dtype)
         out.copy_(src, non_blocking=src.is_pinned())
         return out
 
@@ -277,7 +288,10 @@ class ParamHandle:
             comm.reduce_scatter_flat(shard, flat.contiguous(), self.placement.group)
             shard.div_(self.world)
         slot = self.grad_slot
-        if not slot.present:
+        if slot.present and slot.tier == "cpu" and fused_copy_enabled(slot.resident(), shard):
+            triton_copy.scatter_accumulate(shard, [slot.resident()])  # device -> host, accumulating
+            fused_copies["scatter_accumulate"] += 1
+        elif not slot.present:
             slot.set(shard)
         elif slot.tier != "nvme":
             slot.resident().add_(shard.to(slot.device))
@@ -309,6 +323,24 @@ class ParamHandle:
         for t in self.tiles or ():
             _handles.pop(t.uid, None)
             t._free()
+
+
+# -- fused Triton host<->device copies -------------------------------------------------------------
+fused_copies: Dict[str, int] = {"gather_cast": 0, "scatter_accumulate": 0}
+
+
+def fused_copy_enabled(host: torch.Tensor, device_t: torch.Tensor) -> bool:
+    """Whether a copy between ``host`` and ``device_t`` goes through the fused Triton kernels.
+
+    ``ZINF_FUSED_COPY``: ``auto`` (default) uses them for pinned host <-> CUDA copies when Triton is
+    available; ``0`` never; ``1`` also between CPU tensors under ``TRITON_INTERPRET=1`` (tests).
+    """
+    mode = os.environ.get("ZINF_FUSED_COPY", "auto")
+    if mode == "0" or not triton_copy.available():
+        return False
+    if device_t.is_cuda:
+        return host.device.type == "cpu" and host.is_pinned() and host.is_contiguous()
+    return mode == "1" and host.device.type == "cpu" and device_t.device.type == "cpu"
 
 
 # gathered buffers not yet released, by storage address: a graph that raises half-way drops its

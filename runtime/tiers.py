@@ -96,6 +96,7 @@ class Slot:
             if self._mem is None:
                 raise RuntimeError(f"zinf: slot {self.key or self.kind} is empty")
             return self._mem, None
+        self.flush()  # a failed write (disk full) surfaces here, naming the path, not as a bad read
         if not self._written:
             raise RuntimeError(f"zinf: swap key {self.key} was never written")
         out = torch.empty(self.numel, dtype=self.dtype)
@@ -107,7 +108,13 @@ class Slot:
         """Wait for this slot's last write (so its error, e.g. disk full, surfaces here)."""
         if self._pending is not None:
             h, self._pending = self._pending, None
-            h.wait()
+            try:
+                h.wait()
+            except Exception:
+                if self._written and not self.swap.exists(self.key):  # no earlier version survives
+                    self._written = False
+                    accounting.sub("nvme", self.kind, self.nbytes)
+                raise
 
     def drop(self) -> None:
         """Free the slot's memory or file."""
