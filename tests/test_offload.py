@@ -117,3 +117,14 @@ def test_disk_full_during_optimizer_step_names_path_and_keeps_state(tmp_path):
         assert torch.isfinite(after[k]).all(), k
     untouched = [k for k in good if torch.equal(after[k], good[k])]
     assert untouched, "the failed step left previously written state readable"
+
+
+def test_nvme_offload_through_inductor(tmp_path):
+    from zinf_compile.models import MLP
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(6, 16, generator=g),) for _ in range(3)]
+    o = opts("nvme", "nvme", tmp_path)
+    o["compiler"] = "inductor"
+    rl, zl, ref, m = train_pair(lambda: MLP(), batches, o, opt="sgd", lr=0.1)
+    assert_same_training(rl, zl, ref, m)
