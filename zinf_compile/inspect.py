@@ -35,7 +35,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 __all__ = ["Dump", "GraphDump", "Snapshot", "load", "explain_node", "add_arguments", "run", "main"]
 
@@ -150,7 +150,8 @@ def format_list(dump: Dump) -> str:
     lines = [f"dump {dump.root}: {len(dump.graphs)} compiled graph(s)"]
     for g in dump.graphs:
         lines += ["", f"graph {g.id}  {g.name}  ({os.path.basename(g.folder)}, {len(g.snapshots)} snapshots)",
-                  f"  {'#':<4}{'stage':<11}{'pass':<16}{'ms':>8}{'nodes':>7}  zinf fetch_shard/all_gather/release/reduce_grad"]
+                  f"  {'#':<4}{'stage':<11}{'pass':<16}{'ms':>8}{'nodes':>7}  "
+                  "zinf fetch_shard/all_gather/release/reduce_grad"]
         for s in g.snapshots:
             lines.append(f"  {s.index:02d}  {s.stage:<11}{s.pass_name:<16}{s.seconds * 1e3:>8.1f}"
                          f"{sum(s.op_counts.values()):>7}  {_zinf_count(s)}")
@@ -379,6 +380,14 @@ def _not_zinf(first: Snapshot) -> str:
 # -- command line -------------------------------------------------------------------------------------
 
 
+def _emit(text: str) -> None:
+    """Print, quietly stopping if the reader went away (``zinf ... | head``)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dump_dir", help="the folder a compile wrote with options={'dump_dir': ...} (or ZINF_DUMP_DIR)")
     p.add_argument("--diff", action="store_true", help="what each pass changed: op counts, nodes added/removed/moved")
@@ -393,14 +402,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     dump = load(args.dump_dir)
     if args.node:
-        print(explain_node(dump, args.node, args.graph, args.stage))
+        _emit(explain_node(dump, args.node, args.graph, args.stage))
     elif args.pass_name or (args.stage and args.graph is not None and not args.diff):
-        print(format_graph(dump.graph(args.graph), args.stage, args.pass_name, args.show))
+        _emit(format_graph(dump.graph(args.graph), args.stage, args.pass_name, args.show))
     elif args.diff:
         graphs = dump.graphs if args.graph is None else [dump.graph(args.graph)]
-        print("\n\n".join(format_diff(g, args.stage) for g in graphs))
+        _emit("\n\n".join(format_diff(g, args.stage) for g in graphs))
     else:
-        print(format_list(dump))
+        _emit(format_list(dump))
     return 0
 
 

@@ -54,6 +54,7 @@ the next twice.
 from __future__ import annotations
 
 import copy
+import inspect as pyinspect
 import itertools
 import json
 import operator
@@ -299,7 +300,7 @@ class _Builder:
                     if str(sym) not in self.symbols:
                         srcs = env.var_to_sources.get(sym, [])
                         names = [(src.name() if callable(src.name) else src.name) for src in srcs]
-                        self.symbols[str(sym)] = _source_name(names[0]) if names else "?"
+                        self.symbols[str(sym)] = " = ".join(names) or "?"
 
     # -- runtime nodes: shards, gradient shards, reduce copies ---------------------------------
     def _runtime_nodes(self, rec: CompileRecord, stage: str, nodes: List[torch.fx.Node],
@@ -309,7 +310,7 @@ class _Builder:
             z = n.meta.get("zinf") or {}
             if n.op != "call_function" or n.target not in (FETCH_SHARD, REDUCE_GRAD):
                 continue
-            uid, param = n.args[1], _pname(z.get("param"))
+            uid, param = n.args[1], z.get("param")
             h = _handle(uid)
             shard_numel = h.shard_numel if h is not None else None
             if n.target is FETCH_SHARD:
@@ -397,21 +398,43 @@ class _Builder:
             out.append(Interval(f"{rkey[1]}:{root.name}", "device", kind, role, root.nbytes, root.start,
                                 max(end, root.start), end_node,
                                 tuple(f"{m.key[1]}:{m.name}" for m in members if m is not root),
-                                _pname(z.get("param"))))
+                                z.get("param")))
         out += [Interval(iv.name, iv.tier, iv.kind, iv.role, iv.nbytes, iv.start, fix(iv.end), iv.end_node,
                          iv.aliases, iv.param) for iv in self.extra]
         out.sort(key=lambda iv: (iv.start, iv.name))
         return MemoryPlan(self.steps, out, dict(self.symbols), graphs)
 
 
-def _source_name(name: str) -> str:
-    """Dynamo's ``L['args'][0].size()[1]`` (inputs of ``_planned``) -> ``input 0 dim 1``."""
-    m = re.fullmatch(r"L\['args'\]\[(\d+)\]\.size\(\)\[(\d+)\]", name)
-    return f"input {m[1]} dim {m[2]}" if m else name
+def _source_name(name: str, argnames: Sequence[str]) -> str:
+    """Dynamo's ``L['idx'].size()[1]`` -> ``input 0 dim 1`` (``argnames``: the forward's parameters)."""
+    m = re.fullmatch(r"L\['(\w+)'\](?:\[(\d+)\])?\.size\(\)\[(\d+)\]", name)
+    if m is None or m[1] not in argnames:
+        return name
+    i = argnames.index(m[1]) + (int(m[2]) if m[2] is not None else 0)  # *args: L['args'][i]
+    return f"input {i} dim {m[3]}"
 
 
-def _pname(name: Optional[str]) -> Optional[str]:
-    return re.sub(r"^(l_self\.)?inner\.", "", name) if name else name  # see _planned
+def _rank(name: str) -> Tuple[bool, str]:
+    return (not name.startswith("input "), name)  # "input 0 dim 0" first
+
+
+def _input_symbols(records: Sequence[CompileRecord], argnames: Sequence[str]) -> Dict[str, str]:
+    """``{"s24": "input 0 dim 0"}``: each size symbol of the Dynamo graphs' inputs, first input first."""
+    found: Dict[str, str] = {}
+    for rec in records:
+        gm = rec.final_modules.get("dynamo")
+        for n in gm.graph.nodes if gm is not None else ():
+            val, src = n.meta.get("example_value"), getattr(n, "_dynamo_source", None)
+            if n.op != "placeholder" or not isinstance(val, torch.Tensor) or src is None:
+                continue
+            text = src.name() if callable(src.name) else src.name
+            for d, size in enumerate(val.shape):
+                if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                    name = _source_name(f"{text}.size()[{d}]", argnames)
+                    key = str(size.node.expr)
+                    if key not in found or _rank(name) < _rank(found[key]):
+                        found[key] = name
+    return found
 
 
 def _handle(uid: int) -> Optional[store.ParamHandle]:
@@ -724,29 +747,31 @@ def _private_copy(model: torch.nn.Module) -> torch.nn.Module:
 _plan_ids = itertools.count()
 
 
-class _Planned(torch.nn.Module):
-    def __init__(self, inner: torch.nn.Module):
-        super().__init__()
-        self.inner = inner
-
-
-def _planned(inner: torch.nn.Module) -> torch.nn.Module:
-    """``inner`` behind a forward with a code object of its own.
+def _planned(clone: torch.nn.Module) -> List[str]:
+    """Give ``clone`` a ``forward`` with a code object of its own; return its parameters' names.
 
     Dynamo caches compiled graphs per code object, and a zinf graph bakes in its parameters' store
     uids: the copy must never share a cache entry with the user's model (or an earlier plan's copy).
+    The copy's class becomes a subclass whose ``forward`` is the same function on a fresh code object.
     """
+    fwd = type(clone).forward
+    if not isinstance(fwd, types.FunctionType):
+        raise TypeError(f"memory_plan: {type(clone).__name__}.forward is not a Python function")
+    code = fwd.__code__.replace(co_name=f"{fwd.__code__.co_name}_zinf_plan_{next(_plan_ids)}")
+    fn = types.FunctionType(code, fwd.__globals__, fwd.__name__, fwd.__defaults__, fwd.__closure__)
+    fn.__kwdefaults__, fn.__qualname__ = fwd.__kwdefaults__, fwd.__qualname__
+    clone.__class__ = type(type(clone).__name__, (type(clone),), {"forward": fn})
+    return [p.name for p in pyinspect.signature(fwd).parameters.values()][1:]
 
-    def forward(self: _Planned, *args: Any) -> Any:
-        return self.inner(*args)
 
-    code = forward.__code__.replace(co_name=f"zinf_memory_plan_{next(_plan_ids)}")
-    fn = types.FunctionType(code, forward.__globals__, code.co_name)
-    return type("_Planned", (_Planned,), {"forward": fn})(inner)
+def _leaves(x: Any) -> List[Any]:
+    if isinstance(x, dict):
+        return [y for v in x.values() for y in _leaves(v)]
+    return [y for v in x for y in _leaves(v)] if isinstance(x, (tuple, list)) else [x]
 
 
 def _default_loss(out: Any) -> torch.Tensor:
-    outs = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+    outs = [o for o in _leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
     if not outs:
         raise ValueError("memory_plan: no output requires grad; pass train=False or a loss_fn")
     return outs[0] if len(outs) == 1 and outs[0].dim() == 0 else sum(o.float().sum() for o in outs)
@@ -773,7 +798,8 @@ def memory_plan(
     ``dynamic``: passed to ``torch.compile`` (True: every size symbolic), or ``{input index: dims}`` to
     make just those dimensions symbolic (``torch._dynamo.mark_dynamic``); ``plan.symbols`` then names
     them (``{"s27": "input 0 dim 0"}``) and ``plan.size_symbol(0, 0)`` finds one. ``optimizer`` and
-    ``hold_saved``: see ``build_plan``. With dp > 1, and a model that is already partitioned, every rank must call it.
+    ``hold_saved``: see ``build_plan``. With dp > 1 every rank must call it (the copy is partitioned, and
+    gathered first if ``model`` already is).
     """
     options = dict(options)
     options.setdefault("compiler", "eager")
@@ -787,7 +813,8 @@ def memory_plan(
         dynamic = None
     clone = _private_copy(model)
     last = max((r.id for r in compile_records()), default=-1)
-    cmodel = torch.compile(_planned(clone), backend="zinf", options=options, dynamic=dynamic)
+    argnames = _planned(clone)
+    cmodel = torch.compile(clone, backend="zinf", options=options, dynamic=dynamic)
     devices = sorted({t.device.index or 0 for t in inputs if isinstance(t, torch.Tensor) and t.is_cuda})
     with torch.random.fork_rng(devices=devices):
         if train:
@@ -801,6 +828,7 @@ def memory_plan(
         raise RuntimeError("memory_plan: running the copy compiled no zinf graph (Dynamo reused a cached one?); "
                            "call torch._dynamo.reset() and retry")
     plan = build_plan(records, optimizer=optimizer, hold_saved=hold_saved)
+    plan.symbols.update(_input_symbols(records, argnames))
     if cfg.dump_dir:
         plan.save(str(cfg.dump_dir))
     del cmodel, clone
@@ -808,6 +836,14 @@ def memory_plan(
 
 
 # -- command line (``zinf memplan``) ----------------------------------------------------------------
+
+
+def _emit(text: str) -> None:
+    """Print, quietly stopping if the reader went away (``zinf ... | head``)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def add_arguments(p: Any) -> None:
@@ -833,7 +869,7 @@ def run_cli(args: Any) -> int:
         if not os.path.exists(path):
             raise ValueError(f"no {os.path.basename(path)} in {args.target!r}; run memory_plan with dump_dir set")
         with open(path) as f:
-            print(f.read().rstrip())
+            _emit(f.read().rstrip())
         return 0
     if args.target == "gpt":
         from .models import GPT, GPTConfig, make_batch
@@ -854,10 +890,9 @@ def run_cli(args: Any) -> int:
     options = {"offload_params": args.offload_params, "mixed_precision": args.mixed_precision,
                "compiler": args.compiler, "dump_dir": args.dump_dir}
     plan = memory_plan(model, inputs, dynamic=dynamic, optimizer=args.optimizer, **options)
-    print(plan.to_json() if args.json else plan.table())
+    _emit(plan.to_json() if args.json else plan.table())
     if args.plot:
-        target = plan if not plan.symbolic else plan.evaluate(
-            **{plan.size_symbol(i, 0): int(t.shape[0]) for i, t in enumerate(inputs)
-               if isinstance(t, torch.Tensor) and t.dim() and any(v == f"input {i} dim 0" for v in plan.symbols.values())})
+        dims = {v: int(inputs[int(v.split()[1])].shape[0]) for v in plan.symbols.values() if v.endswith(" dim 0")}
+        target = plan.evaluate(**{k: dims[v] for k, v in plan.symbols.items()}) if plan.symbolic else plan
         print(f"plot: {target.plot(args.plot)}", file=sys.stderr)
     return 0
