@@ -169,7 +169,7 @@ def run_attempt(hd: int, mode: str, args: argparse.Namespace) -> None:
         "tiles_planned_all_graphs": sum(int(r.counters.get("tiles_planned", 0)) for r in recs),
         "operators_tiled": sum(int(r.counters.get("operators_tiled", 0)) for r in recs),
         "warnings": [w for r in recs for w in getattr(r, "warnings", [])][:10],
-        "loadavg": os.getloadavg(), "threads": torch.get_num_threads(),
+        "loadavg": os.getloadavg(), "threads": torch.get_num_threads(), "zinf_compile_file": zinf_compile.__file__,
     })
 
 
@@ -244,6 +244,8 @@ def table(rows: List[Dict[str, Any]]) -> str:
     lines.append("est GiB = model states at 16 B/param (from 12*layers*hd^2 + vocab*hd); mat. = peak param+grad "
                  "working memory (gathered + live full gradients) during the step; tiles = tiles_planned of the "
                  "last compiled graph; step s = the one step incl. compilation; RSS = the attempt's peak resident set")
+    files = sorted({r["zinf_compile_file"] for r in rows if r.get("zinf_compile_file")})
+    lines.append(f"zinf_compile imported from: {', '.join(files) or '?'}")
     return "\n".join(lines)
 
 

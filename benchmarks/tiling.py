@@ -125,6 +125,7 @@ def run_row(hd: int, tiles: int, args: argparse.Namespace) -> Dict[str, Any]:
         "step_times_s": times, "losses": losses, "first_out_max_abs_err": out_err,
         "foreign_cpu": foreign, "loadavg": os.getloadavg(), "threads": torch.get_num_threads(),
         "tiles_planned": counters.get("tiles_planned", 0), "counters": counters, "torch": torch.__version__,
+        "zinf_compile_file": zinf_compile.__file__,
     }
 
 
@@ -191,13 +192,15 @@ def add_ratios(rows: List[Dict[str, Any]]) -> None:
         r["mem_ratio"] = r["peak_materialized"] / b["peak_materialized"] if b["peak_materialized"] else float("nan")
         r["mem_goal"] = 1.0 / t + MEM_SLACK
         r["step_ratio"] = r["median_step_s"] / b["median_step_s"]
+        r["min_step_ratio"] = r["min_step_s"] / b["min_step_s"]
         r["mem_mark"] = "-" if t == 1 else ("PASS" if r["mem_ratio"] <= r["mem_goal"] else "MISS")
         r["step_mark"] = "-" if t == 1 or t > STEP_GOAL_MAX_T else ("PASS" if r["step_ratio"] <= STEP_GOAL else "MISS")
 
 
 def table(rows: List[Dict[str, Any]]) -> str:
     head = (f"{'hd':>5} {'T':>3} {'weight MiB':>10} {'mat. MiB':>9} {'gath. MiB':>9} {'mem x':>6} {'goal':>5} "
-            f"{'':>4} {'RSS MiB':>8} {'first s':>8} {'median ms':>10} {'step x':>7} {'':>4} {'other':>6} "
+            f"{'':>4} {'RSS MiB':>8} {'first s':>8} {'median ms':>10} {'step x':>7} {'':>4} {'min ms':>8} {'min x':>6} "
+            f"{'other':>6} "
             f"{'load':>5} {'loss[-1]':>10}")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -210,12 +213,14 @@ def table(rows: List[Dict[str, Any]]) -> str:
             f"{r['peak_gathered'] / mib:>9.2f} {r.get('mem_ratio', float('nan')):>6.3f} "
             f"{r.get('mem_goal', float('nan')):>5.3f} {r.get('mem_mark', '?'):>4} {r['peak_rss_kib'] / 1024:>8.0f} "
             f"{r['first_step_s']:>8.2f} {r['median_step_s'] * 1e3:>10.1f} {r.get('step_ratio', float('nan')):>7.2f} "
-            f"{r.get('step_mark', '?'):>4} {r['foreign_cpu']:>6.0%} {r['loadavg'][0]:>5.2f} {r['losses'][-1]:>10.6f}")
+            f"{r.get('step_mark', '?'):>4} {r['min_step_s'] * 1e3:>8.1f} {r.get('min_step_ratio', float('nan')):>6.2f} "
+            f"{r['foreign_cpu']:>6.0%} {r['loadavg'][0]:>5.2f} {r['losses'][-1]:>10.6f}")
     lines += [
         f"goals: mem x = peak materialized(T)/peak materialized(T=1) <= 1/T + {MEM_SLACK}; "
         f"step x = median step(T)/median step(T=1) <= {STEP_GOAL} for T <= {STEP_GOAL_MAX_T}",
         "mat. = peak param+grad working memory (gathered params + live full gradients); gath. = peak gathered "
-        "params; RSS = process peak resident set (incl. torch itself); other = share of all cores used by other "
+        "params; RSS = process peak resident set (incl. torch itself); min x = fastest step(T)/fastest step(T=1) "
+        "(less sensitive to load than the median; informational); other = share of all cores used by other "
         "processes while timing; load = 1-min load average at the end of the row",
     ]
     noisy = [f"{r['hd']}/T{r['tiles']}" for r in rows if "error" not in r and r["foreign_cpu"] > 0.10]
@@ -224,6 +229,8 @@ def table(rows: List[Dict[str, Any]]) -> str:
     errs = [r for r in rows if "error" not in r and r["first_out_max_abs_err"] > 1e-3]
     if errs:
         lines.append(f"WARNING: compiled output differs from eager in {[(r['hd'], r['tiles']) for r in errs]}")
+    files = sorted({r["zinf_compile_file"] for r in rows if r.get("zinf_compile_file")})
+    lines.append(f"zinf_compile imported from: {', '.join(files) or '?'}")
     return "\n".join(lines)
 
 
