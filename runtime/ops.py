@@ -11,7 +11,12 @@ partitioned parameter ``p`` (a 0-byte placeholder in the graph) becomes::
 
 and in backward, the gradient ``g`` of ``p``::
 
-    zinf.reduce_grad(g, uid)                                  # reduce-scatter, accumulate fp32 shard
+    zinf.reduce_grad(g, p, uid)                               # reduce-scatter, accumulate fp32 shard
+
+``uid`` is the parameter the graph was compiled for; the runtime resolves the tensor actually passed
+(``store.resolve``), since Dynamo reuses one compiled graph for every instance of a model class.
+``grad_of(g, p, uid)`` only marks, in the joint graph, which output is the gradient of ``p``: it makes
+the partitioner keep ``p`` (0 bytes) for the backward, and becomes ``reduce_grad`` there.
 
 ``release`` and ``reduce_grad`` declare a write to their tensor argument: it is true (the storage
 is freed or consumed) and it is what keeps DCE and Inductor from dropping or reordering them
@@ -32,11 +37,12 @@ _lib = torch.library.Library("zinf", "DEF")
 _lib.define("fetch_shard(Tensor param, int uid, int shard_numel, ScalarType dtype) -> Tensor")
 _lib.define("all_gather(Tensor shard, int uid, SymInt[] shape) -> Tensor")
 _lib.define("release(Tensor(a!) full, int uid, Tensor[] after) -> ()")
-_lib.define("reduce_grad(Tensor(a!) grad, int uid) -> ()")
+_lib.define("reduce_grad(Tensor(a!) grad, Tensor param, int uid) -> ()")
+_lib.define("grad_of(Tensor grad, Tensor param, int uid) -> Tensor")
 
 
 def _fetch_shard(param: torch.Tensor, uid: int, shard_numel: int, dtype: torch.dtype) -> torch.Tensor:
-    return store.get(uid).fetch_shard(dtype)
+    return store.resolve(param, uid).fetch_shard(dtype)
 
 
 def _all_gather(shard: torch.Tensor, uid: int, shape: Sequence[int]) -> torch.Tensor:
@@ -50,8 +56,12 @@ def _release(full: torch.Tensor, uid: int, after: Sequence[torch.Tensor]) -> Non
     store.ParamHandle.release(full)
 
 
-def _reduce_grad(grad: torch.Tensor, uid: int) -> None:
-    store.get(uid).reduce_grad(grad)
+def _reduce_grad(grad: torch.Tensor, param: torch.Tensor, uid: int) -> None:
+    store.resolve(param, uid).reduce_grad(grad)
+
+
+def _grad_of(grad: torch.Tensor, param: torch.Tensor, uid: int) -> torch.Tensor:
+    raise RuntimeError("zinf.grad_of is a joint-graph marker, replaced by reduce_grad before running")
 
 
 for _name, _fn in (
@@ -59,6 +69,7 @@ for _name, _fn in (
     ("all_gather", _all_gather),
     ("release", _release),
     ("reduce_grad", _reduce_grad),
+    ("grad_of", _grad_of),
 ):
     _lib.impl(_name, _fn, "CompositeExplicitAutograd")
 
@@ -79,5 +90,10 @@ def _release_fake(full: torch.Tensor, uid: int, after: Sequence[torch.Tensor]) -
 
 
 @torch.library.register_fake("zinf::reduce_grad")
-def _reduce_grad_fake(grad: torch.Tensor, uid: int) -> None:
+def _reduce_grad_fake(grad: torch.Tensor, param: torch.Tensor, uid: int) -> None:
     return None
+
+
+@torch.library.register_fake("zinf::grad_of")
+def _grad_of_fake(grad: torch.Tensor, param: torch.Tensor, uid: int) -> torch.Tensor:
+    return torch.empty_like(grad)

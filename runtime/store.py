@@ -92,6 +92,9 @@ class ParamHandle:
         self.tiles: Optional[List["ParamHandle"]] = None
         self.tile_dim = 0
         self.tile_bounds: Tuple[Tuple[int, int], ...] = ()
+        self.parent: Optional["ParamHandle"] = None  # set on a tile: the handle it was split from
+        self.tile_index = 0
+        self._tile_inputs: Optional[List[torch.nn.Parameter]] = None
         pl = placement
         self.master: Optional[tiers.Slot] = self._slot(pl.master_tier, "param", torch.float32, "master")
         # the copy forward/backward fetch; None: the master serves (same memory tier, fp32 model)
@@ -144,11 +147,28 @@ class ParamHandle:
             part = full.narrow(dim, lo, hi - lo).contiguous()
             t = ParamHandle(f"{self.name}[tile {i}/{len(bounds)}]", part.shape, self.dtype, self.requires_grad,
                             self.placement, part.reshape(-1))
+            t.parent, t.tile_index = self, i
             _handles[t.uid] = t
             tiles.append(t)
         self._drop_data()
         self.tiles, self.tile_dim, self.tile_bounds = tiles, dim, bounds
         return tiles
+
+    def tile_inputs(self) -> List[torch.nn.Parameter]:
+        """0-byte stand-ins of the tiles' shapes: the graph inputs through which tiles are fetched."""
+        if self.tiles is None:
+            raise RuntimeError(f"zinf: {self.name} is not tiled")
+        if self._tile_inputs is None:
+            device = self.placement.compute_device
+            stand_ins = []
+            for t in self.tiles:
+                x = PartitionedParameter(torch.empty(t.shape, dtype=t.dtype, device=device),
+                                         requires_grad=t.requires_grad)
+                x.untyped_storage().resize_(0)
+                setattr(x, UID_ATTR, t.uid)
+                stand_ins.append(x)
+            self._tile_inputs = stand_ins
+        return self._tile_inputs
 
     # -- parameter data ------------------------------------------------------------------------
     def param(self) -> Optional[torch.nn.Parameter]:
@@ -364,6 +384,33 @@ def _dropped(ptr: int, token: List[int]) -> None:
             del _live_gathered[ptr]
 
 
+def resolve(param: torch.Tensor, uid: int) -> ParamHandle:
+    """The handle a graph node compiled for ``uid`` must use for the tensor it was given now.
+
+    A compiled graph is reused by Dynamo for every model instance of the same class, so the ``uid``
+    baked into a node is a template: the parameter actually passed decides. A parameter the graph
+    has not seen yet is partitioned here, like the template; a tile node given the whole weight
+    tiles it like the template's parent.
+    """
+    own = getattr(param, UID_ATTR, None)
+    if own == uid:
+        return _handles[uid]
+    template = get(uid)
+    whole = template.parent or template  # what the passed tensor stands for when it is a whole weight
+    if own is None:
+        if not isinstance(param, torch.nn.Parameter):
+            raise RuntimeError(f"zinf: graph input for {template.name} is not a parameter; cannot partition it")
+        partition([(whole.name, param)], whole.placement)
+        own = getattr(param, UID_ATTR)
+    h = get(own)
+    if template.parent is not None and h.parent is None:  # a tile node given the whole weight
+        h = h.split_into_tiles(template.parent.tile_bounds, template.parent.tile_dim)[template.tile_index]
+    if (h.shape, h.shard_numel, h.world) != (template.shape, template.shard_numel, template.world):
+        raise RuntimeError(f"zinf: parameter {h.name} {h.shape} does not match the compiled graph's "
+                           f"{template.name} {template.shape}; recompile (torch._dynamo.reset())")
+    return h
+
+
 def handle_of(param: torch.Tensor) -> Optional[ParamHandle]:
     uid = getattr(param, UID_ATTR, None)
     return None if uid is None else _handles.get(uid)
@@ -393,6 +440,41 @@ def _forget(uid: int) -> None:
         h._free()
 
 
+class PartitionedParameter(torch.nn.Parameter):
+    """The class a partitioned ``nn.Parameter`` takes: same tensor, safe to print, copy and pickle.
+
+    Its storage is 0 bytes, so torch's own ``repr`` (and ``copy.deepcopy``, ``pickle``) would read
+    freed memory. ``repr`` says where the data is; ``deepcopy`` and pickling materialize the full
+    value as a plain ``nn.Parameter`` (collective when dp > 1), which is what a copy of a model means.
+    """
+
+    def _has_data(self) -> bool:
+        return self.untyped_storage().nbytes() >= (self.storage_offset() + self.numel()) * self.element_size()
+
+    def __repr__(self) -> str:
+        if self._has_data():
+            return super().__repr__()
+        h = handle_of(self)
+        where = f"{h.name!r}, uid {h.uid}, 1/{h.world} per rank on {h.placement.tier}" if h else "no handle"
+        return (f"PartitionedParameter(shape={tuple(self.shape)}, dtype={self.dtype}, {where}; "
+                "read it with zinf_compile.gathered(model) or full_state_dict(model))")
+
+    __str__ = __repr__
+
+    def _plain(self) -> torch.nn.Parameter:
+        h = handle_of(self)
+        data = self.detach().clone() if self._has_data() or h is None else h.full_data(self.dtype)
+        return torch.nn.Parameter(data.to(self.device), requires_grad=self.requires_grad)
+
+    def __deepcopy__(self, memo: dict) -> torch.nn.Parameter:
+        if id(self) not in memo:
+            memo[id(self)] = self._plain()
+        return memo[id(self)]
+
+    def __reduce_ex__(self, proto: int):  # type: ignore[override]
+        return self._plain().__reduce_ex__(proto)
+
+
 def _free_storage(params: Sequence[torch.nn.Parameter]) -> None:
     """Resize each parameter's storage to 0 bytes, after every shard was copied out.
 
@@ -404,6 +486,8 @@ def _free_storage(params: Sequence[torch.nn.Parameter]) -> None:
         if p.storage_offset() != 0 or storage.nbytes() != p.numel() * p.element_size():
             p.data = torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device=p.device)
         p.untyped_storage().resize_(0)
+        if type(p) is torch.nn.Parameter:
+            p.__class__ = PartitionedParameter
 
 
 def partition(

@@ -180,3 +180,51 @@ def test_optimizer_state_dict_and_state_accounting():
     assert optim == 2 * params + 4 * n
     opt.step()  # a second step adds nothing: state is re-counted, not re-added
     assert zinf_compile.memory_stats()["device"]["optim"]["current"] - before["optim"]["current"] == optim
+
+
+@pytest.mark.parametrize("options", [{"compiler": "eager"},
+                                     {"compiler": "eager", "tiles": 3, "tile_threshold_bytes": 1000}])
+def test_two_instances_of_one_class_share_compiled_graphs_correctly(options):
+    """Dynamo reuses one compiled graph for every instance of a class: each instance must still
+    train its own parameters (the runtime resolves the tensors actually passed)."""
+    torch.manual_seed(0)
+    models = [MLP((16, 64, 8)), MLP((16, 64, 8))]
+    refs = [copy.deepcopy(m) for m in models]
+    compiled = [torch.compile(m, backend="zinf", options=options) for m in models]
+    opts = [zinf_compile.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    ropts = [torch.optim.SGD(r.parameters(), lr=0.1) for r in refs]
+    for step in range(2):
+        x = torch.randn(4, 16)
+        for cm, ref, opt, ropt in zip(compiled, refs, opts, ropts):
+            out, want = cm(x), ref(x)
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+            out.pow(2).mean().backward(); want.pow(2).mean().backward()
+            opt.step(); opt.zero_grad(); ropt.step(); ropt.zero_grad()
+    for m, ref in zip(models, refs):
+        full = zinf_compile.full_state_dict(m)
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_partitioned_parameter_prints_copies_and_pickles_safely():
+    import io
+    import pickle
+
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    torch.compile(model, backend="zinf", options={"compiler": "eager"})(torch.randn(2, 16))
+    w = model.layers[0].weight
+    assert w.untyped_storage().nbytes() == 0
+    text = repr(w)
+    assert "PartitionedParameter" in text and "layers.0.weight" in text and "gathered" in text
+    clone = copy.deepcopy(model)  # a plain, full copy: not tied to the original's shards
+    assert type(clone.layers[0].weight) is torch.nn.Parameter
+    assert not hasattr(clone.layers[0].weight, "_zinf_uid")
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(clone.state_dict()[k], v)
+    buf = io.BytesIO()
+    torch.save(model.layers[0].weight, buf)
+    buf.seek(0)
+    torch.testing.assert_close(torch.load(buf, weights_only=False), ref.layers[0].weight)
+    assert pickle.loads(pickle.dumps(w)).untyped_storage().nbytes() == w.numel() * 4

@@ -12,6 +12,7 @@ import zinf_runtime
 from zinf_compile.config import Config
 from zinf_compile.passes.insert_fetch import insert_fetch_pass
 from zinf_compile.passes.insert_release import insert_release_pass
+from zinf_compile.passes.mark_grads import mark_grads_pass
 from zinf_compile.passes.reduce_grad import reduce_grad_pass
 from zinf_compile.passes.sink_fetch import sink_fetch_pass
 from zinf_compile.passes._graph import op_counts
@@ -166,29 +167,41 @@ def test_sink_fetch_moves_each_fetch_to_its_first_use():
     torch.testing.assert_close(gm(w1, w2, x)[0], torch.relu(x @ f2) @ f1)
 
 
-def test_reduce_grad_replaces_parameter_gradients():
+def test_mark_grads_then_reduce_grad_route_parameter_gradients():
     (w,), _ = partitioned((3, 2))
 
-    def fn(g, w, x, dy):
-        gw = g.call_function(aten.mm.default, (g.call_function(aten.t.default, (x,)), dy))
-        return (gw, None, None)
+    def joint(g, w, x, tangents_1):
+        y = g.call_function(aten.mm.default, (x, w))
+        gw = g.call_function(aten.mm.default, (g.call_function(aten.t.default, (x,)), tangents_1))
+        return (y, gw, None)
 
-    gm = build(fn, ((3, 2), torch.float32), ((4, 3), torch.float32), ((4, 2), torch.float32))
-    ctx = make_ctx([w], [0], n_inputs=3)
+    gm = build(joint, ((3, 2), torch.float32), ((4, 3), torch.float32), ((4, 2), torch.float32))
+    for n in gm.graph.nodes:  # the joint graph's placeholder names tell AOT's tangents apart
+        if n.name == "in2":
+            n.name = "tangents_1"
+    ctx = make_ctx([w], [0], n_inputs=2)
+    gm = insert_fetch_pass(gm, [], ctx=ctx)  # the forward half reads w through a fetch, as in real graphs
+    gm = mark_grads_pass(gm, [], ctx=ctx)
+    outs = list(gm.graph.find_nodes(op="output")[0].args[0])
+    assert outs[1].target is torch.ops.zinf.grad_of.default and outs[1].args[1].name == "in0"
+    assert outs[2] is None
+    # the backward half: the marker becomes reduce_grad and the output None
     gm = reduce_grad_pass(gm, [], ctx=ctx)
     gm.recompile()
+    assert "zinf.grad_of.default" not in op_counts(gm.graph)
     x, dy = torch.randn(4, 3), torch.randn(4, 2)
     h = zinf_runtime.handle_of(w)
-    assert gm(w, x, dy) == (None, None, None)
+    y, g1, g2 = gm(w, x, dy)
+    assert g1 is None and g2 is None
     gm(w, x, dy)  # accumulates
     torch.testing.assert_close(h.grad.view(3, 2), 2 * (x.t() @ dy))
 
 
-def test_reduce_grad_refuses_unmappable_outputs():
+def test_reduce_grad_refuses_gradients_without_markers():
     (w,), _ = partitioned((3, 2))
     gm = build(lambda g, w, x: (g.call_function(aten.t.default, (x,)),), ((3, 2), torch.float32), ((2, 3), torch.float32))
     ctx = make_ctx([w], [0], n_inputs=2)
-    with pytest.raises(RuntimeError, match="cannot map"):
+    with pytest.raises(RuntimeError, match="grad_of markers"):
         reduce_grad_pass(gm, [], ctx=ctx)
 
 

@@ -5,7 +5,7 @@ keeps a 1/dp fp32 shard; the parameter keeps its shape with 0-byte storage, so D
 patching), then traces forward and backward with AOTAutograd and runs zinf's passes::
 
     Dynamo graph --autocast, plan_tiling, tile_matmul--> AOTAutograd joint graph
-        --insert_fetch--> min-cut partition
+        --insert_fetch, mark_grads--> min-cut partition
         forward:   sink_fetch -> insert_release                  -> Inductor (or eager)
         backward:  sink_fetch -> reduce_grad -> insert_release   -> Inductor (or eager)
         inference: insert_fetch -> sink_fetch -> insert_release  -> Inductor (or eager)
@@ -30,6 +30,7 @@ from .config import Config
 from .passes.autocast import autocast_pass
 from .passes.insert_fetch import insert_fetch_pass
 from .passes.insert_release import insert_release_pass
+from .passes.mark_grads import mark_grads_pass
 from .passes.reduce_grad import reduce_grad_pass
 from .passes.plan_tiling import plan_tiling_pass
 from .passes.sink_fetch import sink_fetch_pass
@@ -41,14 +42,14 @@ DYNAMO_PASSES: List[Tuple[str, Pass]] = [
     ("plan_tiling", plan_tiling_pass),
     ("tile_matmul", tile_matmul_pass),
 ]
-JOINT_PASSES: List[Tuple[str, Pass]] = [("insert_fetch", insert_fetch_pass)]
+JOINT_PASSES: List[Tuple[str, Pass]] = [("insert_fetch", insert_fetch_pass), ("mark_grads", mark_grads_pass)]
 FORWARD_PASSES: List[Tuple[str, Pass]] = [("sink_fetch", sink_fetch_pass), ("insert_release", insert_release_pass)]
 BACKWARD_PASSES: List[Tuple[str, Pass]] = [
     ("sink_fetch", sink_fetch_pass),
     ("reduce_grad", reduce_grad_pass),
     ("insert_release", insert_release_pass),
 ]
-INFERENCE_PASSES: List[Tuple[str, Pass]] = JOINT_PASSES + FORWARD_PASSES
+INFERENCE_PASSES: List[Tuple[str, Pass]] = [("insert_fetch", insert_fetch_pass)] + FORWARD_PASSES
 
 
 def _param_name(node: torch.fx.Node) -> str:
@@ -117,19 +118,34 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: Conf
     inputs = example_inputs + [_torch_compat.static_fake_like(t, example_inputs) for t in ctx.extra_inputs]
     record.counters["graph_inputs"] = len(inputs)
     compiled = (_compile_eager if cfg.compiler == "eager" else _compile_inductor)(gm, inputs, ctx)
-    return _with_extra_inputs(compiled, ctx.extra_inputs)
+    return _with_extra_inputs(compiled, ctx.extra_inputs, ctx.extra_specs, example_inputs)
 
 
-def _with_extra_inputs(compiled: Callable, extra: List[Any]) -> Callable:
-    """Append the inputs a pass added (weight tiles) to every call, in the callee's convention."""
+def _with_extra_inputs(compiled: Callable, extra: List[Any], specs: List[Tuple[int, int]],
+                       example_inputs: List[Any]) -> Callable:
+    """Append the inputs a pass added (weight tiles) to every call, in the callee's convention.
+
+    Dynamo reuses this compiled graph for every instance of the model's class: when the weight
+    passed is not the one compiled for, its own tiles (tiled like the template) are passed.
+    """
     if not extra:
         return compiled
     boxed = getattr(compiled, "_boxed_call", False)
+    compiled_weights = {idx: example_inputs[idx] for idx, _ in specs}
+
+    def tiles_for(args: Sequence[Any]) -> List[Any]:
+        if all(args[idx] is w for idx, w in compiled_weights.items()):
+            return extra
+        out = []
+        for idx, tile_uid in specs:
+            th = zinf_runtime.store.resolve(args[idx], tile_uid)
+            out.append(th.parent.tile_inputs()[th.tile_index])
+        return out
 
     def call(*args: Any) -> Any:
         if boxed and len(args) == 1 and isinstance(args[0], list):  # graph inputs are never lists
-            return compiled(args[0] + extra)
-        return compiled(*args, *extra)
+            return compiled(args[0] + tiles_for(args[0]))
+        return compiled(*args, *tiles_for(args))
 
     return call
 

@@ -18,9 +18,11 @@ FETCH_SHARD = torch.ops.zinf.fetch_shard.default
 ALL_GATHER = torch.ops.zinf.all_gather.default
 RELEASE = torch.ops.zinf.release.default
 REDUCE_GRAD = torch.ops.zinf.reduce_grad.default
+GRAD_OF = torch.ops.zinf.grad_of.default  # joint-graph marker only
 
-ZINF_OPS = (FETCH_SHARD, ALL_GATHER, RELEASE, REDUCE_GRAD)
-OP_NAMES = {FETCH_SHARD: "fetch_shard", ALL_GATHER: "all_gather", RELEASE: "release", REDUCE_GRAD: "reduce_grad"}
+ZINF_OPS = (FETCH_SHARD, ALL_GATHER, RELEASE, REDUCE_GRAD, GRAD_OF)
+OP_NAMES = {FETCH_SHARD: "fetch_shard", ALL_GATHER: "all_gather", RELEASE: "release", REDUCE_GRAD: "reduce_grad",
+            GRAD_OF: "grad_of"}
 
 
 def is_zinf(node: torch.fx.Node, op: Optional[Any] = None) -> bool:

@@ -147,8 +147,10 @@ class CompileContext:
     params: Dict[int, ParamInfo]
     record: CompileRecord
     device_type: str = "cpu"
-    # graph inputs a pass added (the tiles of tiled weights), passed after the Dynamo inputs
+    # graph inputs a pass added (the tiles of tiled weights), passed after the Dynamo inputs, and
+    # for each (index of the weight among the Dynamo inputs, uid of the tile it was compiled for)
     extra_inputs: List[Any] = field(default_factory=list)
+    extra_specs: List[Tuple[int, int]] = field(default_factory=list)
 
 
 _ids = itertools.count()

@@ -23,7 +23,6 @@ import torch.fx
 import torch.nn.functional as F
 
 import zinf_runtime
-from zinf_runtime.store import UID_ATTR
 
 from ..pipeline import CompileContext, ParamInfo
 
@@ -41,15 +40,6 @@ def tiled_matmul(x: torch.Tensor, tiles: Sequence[torch.Tensor], bounds: Sequenc
     return torch.cat(outs, dim=-1)
 
 
-def _tile_tensor(handle: Any, device: torch.device) -> torch.nn.Parameter:
-    """A 0-byte stand-in of the tile's shape: the graph input through which the tile is fetched."""
-    t = torch.nn.Parameter(torch.empty(handle.shape, dtype=handle.dtype, device=device),
-                           requires_grad=handle.requires_grad)
-    t.untyped_storage().resize_(0)
-    setattr(t, UID_ATTR, handle.uid)
-    return t
-
-
 def tile_matmul_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: CompileContext) -> torch.fx.GraphModule:
     graph = gm.graph
     phs = [n for n in graph.nodes if n.op == "placeholder"]
@@ -60,10 +50,8 @@ def tile_matmul_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         plan = w.meta["zinf"]
         handle = zinf_runtime.store.get(plan["uid"])
         tiles = handle.split_into_tiles(plan["bounds"], plan["dim"])
-        device = example_inputs[idx].device
         tile_nodes: List[torch.fx.Node] = []
-        for k, th in enumerate(tiles):
-            tensor = _tile_tensor(th, device)
+        for k, (th, tensor) in enumerate(zip(tiles, handle.tile_inputs())):
             with graph.inserting_after(last):
                 node = graph.placeholder(f"{w.name}_zinf_tile{k}")
             node.meta["zinf"] = {"kind": "tile_input", "uid": th.uid, "param": th.name, "of": plan["param"]}
@@ -71,6 +59,7 @@ def tile_matmul_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
             last = node
             new_idx = n_inputs + len(ctx.extra_inputs)
             ctx.extra_inputs.append(tensor)
+            ctx.extra_specs.append((idx, th.uid))
             ctx.params[new_idx] = ParamInfo(new_idx, th.uid, th.name, tuple(th.shape), th.dtype,
                                             th.shard_numel, th.requires_grad, th.world)
             tile_nodes.append(node)
