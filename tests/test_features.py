@@ -228,3 +228,16 @@ def test_partitioned_parameter_prints_copies_and_pickles_safely():
     buf.seek(0)
     torch.testing.assert_close(torch.load(buf, weights_only=False), ref.layers[0].weight)
     assert pickle.loads(pickle.dumps(w)).untyped_storage().nbytes() == w.numel() * 4
+
+
+def test_torch_logs_zinf_alias_from_the_environment():
+    import subprocess
+    import sys
+
+    code = ("import torch, zinf_compile\n"
+            "m = torch.nn.Linear(4, 4)\n"
+            "torch.compile(m, backend='zinf', options={'compiler': 'eager'})(torch.randn(2, 4)).sum().backward()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "TORCH_LOGS": "+zinf"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "zinf: forward pass insert_release took" in proc.stderr
