@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import tempfile
 from typing import Any, Dict, List
 
 import torch
@@ -35,7 +36,14 @@ from zinf_compile.analytic import human_bytes
 from zinf_compile.memory_plan import MemoryPlan, memory_plan
 from zinf_compile.models import GPT, GPTConfig, make_batch
 
-CONFIGS = {"no offload": {"offload_params": "none"}, "offload_params=cpu": {"offload_params": "cpu"}}
+def configs(nvme_dir: str) -> Dict[str, Dict[str, Any]]:
+    """The four configurations of the accuracy check (the NVMe one swaps under ``nvme_dir``)."""
+    return {
+        "no offload": {"offload_params": "none"},
+        "offload cpu/cpu": {"offload_params": "cpu", "offload_optimizer": "cpu"},
+        "offload nvme/nvme": {"offload_params": "nvme", "offload_optimizer": "nvme", "nvme_path": nvme_dir},
+        "tiled, 1 MiB budget": {"device_memory_budget": 1 << 20},
+    }
 
 
 def allocation_peak(prof: profile) -> int:
@@ -93,6 +101,7 @@ def run(cfg: GPTConfig, batch: int, options: Dict[str, Any]) -> Dict[str, Any]:
     measured = allocation_peak(prof)
     predicted = predicted_step_peak(plan)
     return {
+        "tiles": zinf_compile.compile_records()[-1].counters["tiles_planned"],
         "predicted_step": predicted, "measured_step": measured, "ratio": measured / predicted,
         "device_peak_plan": int(plan.peak("device")), "cpu_peak_plan": int(plan.peak("cpu")),
         "gathered_plan": int(plan.peak("device", "gathered")),
@@ -111,7 +120,8 @@ def main(argv: List[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads)
-    rows = {name: run(cfg, args.batch, opts) for name, opts in CONFIGS.items()}
+    with tempfile.TemporaryDirectory(prefix="zinf-memplan-") as nvme_dir:
+        rows = {name: run(cfg, args.batch, opts) for name, opts in configs(nvme_dir).items()}
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0

@@ -103,7 +103,8 @@ def test_predicted_gathered_peak_equals_measured(planned):
 def test_offload_moves_shards_to_cpu_and_keeps_device_figures(planned):
     plan = planned[0]
     model, _, x, y = planned[3]  # already partitioned by its own compile: planning gathers a copy
-    off = zinf_compile.memory_plan(model, (x, y), offload_params="cpu", optimizer="adamw", hold_saved=False)
+    off = zinf_compile.memory_plan(model, (x, y), offload_params="cpu", offload_optimizer="cpu", optimizer="adamw",
+                                   hold_saved=False)
     assert off.peak("device", "param") == 0 and off.peak("cpu", "param") == plan.peak("device", "param")
     n_params = len(list(model.parameters()))
     assert off.peak("cpu", "optim") == 2 * plan.peak("device", "param") + 4 * n_params
@@ -159,3 +160,15 @@ def test_build_plan_needs_graphs():
     with pytest.raises(ValueError, match="no forward"):
         build_plan([])
     assert isinstance(MemoryPlan([], []).timeline(), list)
+
+
+def test_split_tiers_place_masters_and_parameter_copies(planned, tmp_path):
+    plan = planned[0]
+    model, _, x, y = planned[3]
+    split = zinf_compile.memory_plan(model, (x, y), offload_params="nvme", offload_optimizer="cpu",
+                                     nvme_path=str(tmp_path), optimizer="adamw")
+    masters = plan.peak("device", "param")
+    assert split.peak("cpu", "param") == masters  # fp32 masters with the optimizer, on CPU
+    assert split.peak("nvme", "param") == masters  # the fp32 parameter copy that fetches read, on NVMe
+    assert split.peak("device", "param") == 0 and split.peak("nvme", "optim") == 0
+    assert split.peak("device", "gathered") == plan.peak("device", "gathered")

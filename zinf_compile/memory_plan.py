@@ -14,8 +14,9 @@ tensor gets a live interval on the schedule (forward nodes, then backward nodes)
     <tier>  param/grad/optim   the runtime's shards: fp32 masters (+ compute-dtype copies) for the whole
                          step, a gradient shard from its first reduce_grad on, optimizer state if asked
 
-``<tier>`` is where ``offload_params`` puts shards (``device`` or ``cpu``; nothing places them on
-``nvme`` yet, so that row is 0). Summing the intervals live at each step gives bytes per tier and kind
+``<tier>``: fp32 masters, gradient shards and optimizer state live where ``offload_optimizer`` puts
+them; a separate parameter copy (``param_copy``) lives where ``offload_params`` puts it when the two
+tiers differ (``device``, ``cpu`` or ``nvme``). Summing the intervals live at each step gives bytes per tier and kind
 over the schedule; the predicted peak is its maximum. ``plan.table()`` prints (``zinf memplan gpt
 --layers 2 --hidden 64 --seq 32 --batch 4 --vocab 128``)::
 
@@ -305,18 +306,27 @@ class _Builder:
     # -- runtime nodes: shards, gradient shards, reduce copies ---------------------------------
     def _runtime_nodes(self, rec: CompileRecord, stage: str, nodes: List[torch.fx.Node],
                        pos: Dict[torch.fx.Node, int]) -> None:
-        tier = "cpu" if rec.config.offload_params == "cpu" else "device"
+        tiers = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
+        tier = tiers[rec.config.offload_params]  # the parameter copy that fetches read
+        otier = tiers[rec.config.offload_optimizer]  # fp32 master, gradient shard, optimizer state
         for n in nodes:
             z = n.meta.get("zinf") or {}
             if n.op != "call_function" or n.target not in (FETCH_SHARD, REDUCE_GRAD):
                 continue
-            uid, param = n.args[1], z.get("param")
+            uid = n.args[1] if n.target is FETCH_SHARD else n.args[2]  # reduce_grad(grad, param, uid)
+            param = z.get("param")
             h = _handle(uid)
             shard_numel = h.shard_numel if h is not None else None
             if n.target is FETCH_SHARD:
                 shard_numel, dtype = n.args[2], n.args[3]
-                self._once(("param", uid), Interval(f"shard:{param}", tier, "param", "shard", 4 * shard_numel,
+                pdtype = h.dtype if h is not None else torch.float32
+                shared = tier == otier and (tier == "nvme" or pdtype == torch.float32)
+                self._once(("param", uid), Interval(f"shard:{param}", otier, "param", "shard", 4 * shard_numel,
                                                     0, self.END, "end", (), param))
+                if not shared:  # a separate parameter copy on the parameter tier
+                    nb = shard_numel * torch.empty((), dtype=pdtype).element_size()
+                    self._once(("pcopy", uid), Interval(f"copy:{param}", tier, "param", "param_copy", nb,
+                                                        0, self.END, "end", (), param))
                 if dtype != torch.float32:
                     nb = shard_numel * torch.empty((), dtype=dtype).element_size()
                     self._once(("copy", uid, dtype), Interval(f"{stage}:{n.name}", tier, "param", "compute_copy",
@@ -325,11 +335,11 @@ class _Builder:
             grad = n.args[0]
             if shard_numel is None:
                 shard_numel = _expr(grad.meta["val"].numel()) if "val" in grad.meta else 0
-            self._once(("grad", uid), Interval(f"{stage}:{n.name}", tier, "grad", "shard", 4 * shard_numel,
+            self._once(("grad", uid), Interval(f"{stage}:{n.name}", otier, "grad", "shard", 4 * shard_numel,
                                                pos[n], self.END, "end", (), param))
             per_el, per_param = self.optim
             if per_el:
-                self._once(("optim", uid), Interval(f"optim:{param}", tier, "optim", "shard",
+                self._once(("optim", uid), Interval(f"optim:{param}", otier, "optim", "shard",
                                                     per_el * shard_numel + per_param, 0, self.END, "end", (), param))
             copy_bytes = self._reduce_copy_bytes(grad.meta.get("val"), h)
             if copy_bytes:
