@@ -20,7 +20,7 @@ demo: setup
 	$(BIN)/python examples/train_gpt.py
 
 test: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -p no:cacheprovider -rs
 
 clean:
 	rm -rf $(VENV) *.egg-info
