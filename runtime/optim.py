@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from . import accounting, comm, store
-from .tiers import Slot
+from .tiers import Slot, pool
 
 
 class ShardedOptimizerMixin:
@@ -103,12 +103,15 @@ class ShardedOptimizerMixin:
             groups[-1].append((gi, u))
             size += b
 
+        def read(slot: Slot) -> tuple:
+            return slot.get_async(out=pool.acquire(slot.numel, slot.dtype))
+
         def load(group: List[tuple[int, store.ParamHandle]]) -> list:
             out = []
             for gi, u in group:
-                master, hm = u.master.get_async()
-                grad, hg = u.grad_slot.get_async()
-                st = {k: slot.get_async() for k, slot in u.optim_slots.items()}
+                master, hm = read(u.master)
+                grad, hg = read(u.grad_slot)
+                st = {k: read(slot) for k, slot in u.optim_slots.items()}
                 out.append((gi, u, master, grad, st, [h for h in (hm, hg, *(h for _, h in st.values())) if h]))
             return out
 
@@ -133,15 +136,16 @@ class ShardedOptimizerMixin:
                 super().step()  # type: ignore[misc]
                 for gi, u, master, grad, st, _ in current:
                     master.grad = None
-                    u.master.set(master)
+                    pool.release(grad)
+                    u.master_updated(master)
+                    u.master.set(master, donate=True, recycle=True)  # buffers return once written
                     for name, value in self.state.pop(master, {}).items():
                         if torch.is_tensor(value) and value.numel() == u.shard_numel:
                             if name not in u.optim_slots:
                                 u.optim_slots[name] = u._slot("nvme", "optim", value.dtype, f"optim.{name}")
-                            u.optim_slots[name].set(value)
+                            u.optim_slots[name].set(value, donate=True, recycle=True)
                         else:
                             u.optim_small[name] = value
-                    u.master_updated()
                     written.append(u)
         finally:
             for g, lst in zip(self.param_groups, originals):

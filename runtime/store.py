@@ -109,7 +109,7 @@ class ParamHandle:
         own = flat[lo : min(lo + self.shard_numel, self.numel)]
         shard = torch.zeros(self.shard_numel, dtype=torch.float32)
         shard[: own.numel()].copy_(own)
-        self.master.set(shard)
+        self.master.set(shard, donate=True)  # a private temporary: NVMe writes need no second copy
         self._refresh_param_copy(shard)
 
     def _slot(self, tier: str, kind: str, dtype: torch.dtype, what: str) -> tiers.Slot:
@@ -196,17 +196,19 @@ class ParamHandle:
                 accounting.add(slot.tier, "param", _nbytes(cached))
             return cached
 
-    def master_updated(self) -> None:
-        """After the optimizer changed the master: drop compute copies, refresh the parameter copy."""
+    def master_updated(self, value: Optional[torch.Tensor] = None) -> None:
+        """After the optimizer changed the master (``value``, if the caller has it in memory): drop
+        compute copies, refresh the parameter copy."""
         for t in self.tiles or ():
             t.master_updated()
         self._drop_compute()
         if self.param_copy is not None and self.master is not None:
-            self._refresh_param_copy(self.master.get())
+            self._refresh_param_copy(value if value is not None else self.master.get())
 
     def _refresh_param_copy(self, master: torch.Tensor) -> None:
         if self.param_copy is not None:
-            self.param_copy.set(master.to(self.param_copy.dtype))
+            copy = master.to(self.param_copy.dtype)
+            self.param_copy.set(copy, donate=copy.data_ptr() != master.data_ptr())
 
     def _drop_compute(self) -> None:
         tier = (self.param_copy or self.master).tier if (self.param_copy or self.master) else "device"
@@ -225,14 +227,25 @@ class ParamHandle:
         out = torch.empty(self.shard_numel, dtype=dtype, device=self.placement.compute_device)
         if self.world == 1:  # the shard is the whole parameter: it is what gets released
             _track_gathered(out, self.name)
-        host = slot.get() if slot.tier == "nvme" else slot.resident()
-        if fused_copy_enabled(host, out):
-            triton_copy.gather_cast([host], out)
-            fused_copies["gather_cast"] += 1
+        pooled = slot.tier == "nvme"
+        if pooled:  # read into a reused host buffer, handed back once copied to the device
+            host = tiers.pool.acquire(slot.numel, slot.dtype, slot.pin)
+            slot.get_async(out=host)[1].wait()
+        else:
+            host = slot.resident()
+        try:
+            if fused_copy_enabled(host, out):
+                triton_copy.gather_cast([host], out)
+                fused_copies["gather_cast"] += 1
+                if pooled and out.is_cuda:
+                    torch.cuda.current_stream(out.device).synchronize()
+                return out
+            src = host.to(dtype) if pooled else self.shard_in(dtype)
+            out.copy_(src, non_blocking=src.is_pinned() and not pooled)
             return out
-        src = self.shard_in(dtype) if slot.tier != "nvme" else host.to(dtype)
-        out.copy_(src, non_blocking=src.is_pinned())
-        return out
+        finally:
+            if pooled:
+                tiers.pool.release(host)
 
     def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
         """The full parameter from every rank's shard; accounted as gathered bytes until released."""
@@ -316,9 +329,10 @@ class ParamHandle:
         elif slot.tier != "nvme":
             slot.resident().add_(shard.to(slot.device))
         else:  # read-modify-write: accumulation across micro-batches survives offload
-            acc = slot.get()
+            acc = tiers.pool.acquire(slot.numel, slot.dtype, slot.pin)
+            slot.get_async(out=acc)[1].wait()
             acc.add_(shard.to("cpu"))
-            slot.set(acc)
+            slot.set(acc, donate=True, recycle=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for t in self.tiles or ():
@@ -524,7 +538,8 @@ def partition(
             _handles[h.uid] = h
             setattr(p, UID_ATTR, h.uid)
             weakref.finalize(p, _forget, h.uid)
-        _free_storage([p for _, p in new])
+            del flat
+            _free_storage([p])  # one at a time: the whole model never exists twice
     if new:
         _install_optimizer_guard()
     return [getattr(p, UID_ATTR) for _, p in items]

@@ -35,6 +35,44 @@ def engine(cfg: SwapConfig, rank: int) -> SwapEngine:
         return eng
 
 
+class BufferPool:
+    """Reusable host buffers for NVMe reads and writes, by byte size.
+
+    Every read wants a fresh host tensor and every write must keep its source alive until the disk
+    has it; allocating those anew each time (4-64 MiB apiece) leaves glibc holding gigabytes of
+    freed heap (measured: peak RSS 0.47-0.73x the model states instead of ~0.2x). Reusing buffers of
+    the same sizes keeps resident memory at what is actually in flight. At most ``cap_bytes`` idle.
+    """
+
+    def __init__(self, cap_bytes: int = 1 << 30):
+        self.cap_bytes = cap_bytes
+        self._free: Dict[Tuple[int, bool], list] = {}
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def acquire(self, numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        with self._lock:
+            free = self._free.get((nbytes, pin))
+            if free:
+                self._idle -= nbytes
+                return free.pop().view(dtype)
+        raw = torch.empty(nbytes, dtype=torch.uint8)
+        return (raw.pin_memory() if pin else raw).view(dtype)
+
+    def release(self, t: torch.Tensor) -> None:
+        """Give back a buffer from ``acquire`` (nothing may use it afterwards)."""
+        raw = t.view(torch.uint8) if t.dtype != torch.uint8 else t
+        nbytes = raw.numel()
+        with self._lock:
+            if self._idle + nbytes <= self.cap_bytes:
+                self._free.setdefault((nbytes, raw.is_pinned()), []).append(raw)
+                self._idle += nbytes
+
+
+pool = BufferPool()
+
+
 @dataclass
 class Slot:
     """A 1-D tensor of ``numel`` x ``dtype`` on ``tier``; see the module docstring."""
@@ -52,6 +90,7 @@ class Slot:
         self._mem: Optional[torch.Tensor] = None
         self._written = False
         self._pending: Optional[SwapHandle] = None
+        self._pending_buffer: Optional[torch.Tensor] = None  # a pool buffer the pending write reads
 
     @property
     def nbytes(self) -> int:
@@ -65,8 +104,9 @@ class Slot:
         """The in-memory tensor of a memory-tier slot (None on NVMe or when empty)."""
         return self._mem
 
-    def set(self, value: torch.Tensor) -> None:
-        """Store ``value`` (copied; the caller may reuse it once ``set`` returns on memory tiers)."""
+    def set(self, value: torch.Tensor, donate: bool = False, recycle: bool = False) -> None:
+        """Store ``value``. It is copied, unless ``donate``: then, on NVMe, the caller hands it over
+        and must not change it; with ``recycle`` it goes back to ``pool`` once written."""
         if self.tier != "nvme":
             if self._mem is None:
                 self._mem = torch.empty(self.numel, dtype=self.dtype, device=self.device)
@@ -75,9 +115,15 @@ class Slot:
                 accounting.add(self.tier, self.kind, self.nbytes)
             self._mem.copy_(value.reshape(-1))
             return
+        self.flush()  # one write in flight per slot: its buffer is recycled before the next
         data = value.detach().reshape(-1).to("cpu", self.dtype)
-        if data.data_ptr() == value.data_ptr():
-            data = data.clone()  # the write is asynchronous: the caller may change value afterwards
+        if data.data_ptr() == value.data_ptr() and not donate:
+            # the write is asynchronous: the caller may change value afterwards
+            data = pool.acquire(self.numel, self.dtype)
+            data.copy_(value.reshape(-1))
+            self._pending_buffer = data
+        else:
+            self._pending_buffer = data if (donate and recycle and data.data_ptr() == value.data_ptr()) else None
         if not self._written:
             accounting.add("nvme", self.kind, self.nbytes)
         self._pending = self.swap.write(self.key, data)
@@ -90,8 +136,9 @@ class Slot:
             h.wait()
         return t
 
-    def get_async(self) -> Tuple[torch.Tensor, Optional[SwapHandle]]:
-        """Start reading (NVMe); the tensor is valid once the handle's ``wait()`` returns."""
+    def get_async(self, out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[SwapHandle]]:
+        """Start reading (NVMe) into ``out`` (default: a new tensor; take one from ``pool`` to reuse
+        memory); the tensor is valid once the handle's ``wait()`` returns."""
         if self.tier != "nvme":
             if self._mem is None:
                 raise RuntimeError(f"zinf: slot {self.key or self.kind} is empty")
@@ -99,9 +146,10 @@ class Slot:
         self.flush()  # a failed write (disk full) surfaces here, naming the path, not as a bad read
         if not self._written:
             raise RuntimeError(f"zinf: swap key {self.key} was never written")
-        out = torch.empty(self.numel, dtype=self.dtype)
-        if self.pin:
-            out = out.pin_memory()
+        if out is None:
+            out = torch.empty(self.numel, dtype=self.dtype)
+            if self.pin:
+                out = out.pin_memory()
         return out, self.swap.read(self.key, out)
 
     def flush(self) -> None:
@@ -110,6 +158,9 @@ class Slot:
             h, self._pending = self._pending, None
             try:
                 h.wait()
+                buf, self._pending_buffer = self._pending_buffer, None
+                if buf is not None:
+                    pool.release(buf)
             except Exception:
                 if self._written and not self.swap.exists(self.key):  # no earlier version survives
                     self._written = False
