@@ -22,7 +22,15 @@ step time, the share of the machine's CPU used by other processes while timing, 
 With ``--repeat R`` every row runs R times (round-robin) and the run with the smallest median step is
 kept (memory numbers are deterministic; load only ever adds time).
 
+On CPU, glibc serves every allocation over 32 MiB with a fresh ``mmap`` (page-faulted and zeroed on
+first touch) and unmaps it on free, so an untiled weight or gradient of 64-256 MiB pays that cost
+on every fetch, while tiles of <= 32 MiB are recycled from the heap: tiled rows can then look
+*faster* than T = 1. ``--glibc-no-mmap`` runs the rows with ``MALLOC_MMAP_MAX_=0`` and a huge
+``MALLOC_TRIM_THRESHOLD_`` (everything from the heap, nothing returned to the OS), which removes that
+artifact and compares the tile loop itself (a GPU's caching allocator behaves like this).
+
     python benchmarks/tiling.py                                  # hd {1024,2048,4096} x T {1,2,4,8,16}
+    python benchmarks/tiling.py --repeat 3 --glibc-no-mmap       # step ratios without the mmap artifact
     python benchmarks/tiling.py --hd 1024 --tiles 1,4 --compiler inductor --json /tmp/tiling.json
 """
 
@@ -141,6 +149,8 @@ def spawn(hd: int, tiles: int, args: argparse.Namespace) -> Dict[str, Any]:
            "--compiler", args.compiler, "--batch", str(args.batch), "--steps", str(args.steps),
            "--threads", str(args.threads)] + (["--bias"] if args.bias else [])
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    if args.glibc_no_mmap:
+        env.update(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(1 << 40))
     if args.inductor_cache:
         env["TORCHINDUCTOR_CACHE_DIR"] = args.inductor_cache
     t0 = time.perf_counter()
@@ -249,6 +259,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per row (default 1: steadier timings on a shared machine)")
     p.add_argument("--bias", action="store_true", help="give the layer a bias (not tiled: 1-D, gathered whole)")
+    p.add_argument("--glibc-no-mmap", action="store_true",
+                   help="rows allocate from the heap only (MALLOC_MMAP_MAX_=0): no per-fetch mmap/page-fault cost")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per row process")
     p.add_argument("--inductor-cache", default=None, help="TORCHINDUCTOR_CACHE_DIR for the rows (default: inherit)")
     p.add_argument("--json", metavar="PATH", help="write all rows (and every run) here")
@@ -266,7 +278,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         print("note: no T=1 row requested; ratios need it, adding T=1", flush=True)
         args.tiles = [1] + args.tiles
     print(f"Linear(hd, 4*hd), fp32, bias={args.bias}, batch {args.batch}, compiler {args.compiler!r}, "
-          f"{args.steps} timed steps, {args.threads} thread(s), repeat {args.repeat}; "
+          f"{args.steps} timed steps, {args.threads} thread(s), repeat {args.repeat}, "
+          f"glibc mmap {'off' if args.glibc_no_mmap else 'default'}; "
           f"load at start {os.getloadavg()[0]:.2f}", flush=True)
     runs: List[Dict[str, Any]] = []
     for rep in range(args.repeat):
