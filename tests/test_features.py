@@ -241,3 +241,22 @@ def test_torch_logs_zinf_alias_from_the_environment():
                           env={**__import__("os").environ, "TORCH_LOGS": "+zinf"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "zinf: forward pass insert_release took" in proc.stderr
+
+
+def test_dump_dir_holds_every_graph_and_the_memory_plan(tmp_path):
+    import json as _json
+    import os
+
+    model = MLP()
+    torch.compile(model, backend="zinf", options={"compiler": "eager", "dump_dir": str(tmp_path)})(
+        torch.randn(2, 16)).sum().backward()
+    folders = [f for f in os.listdir(tmp_path) if f.startswith("graph_")]
+    assert len(folders) == 1
+    folder = tmp_path / folders[0]
+    index = _json.loads((folder / "index.json").read_text())
+    stages = {(g["stage"], g["pass"]) for g in index["graphs"]}
+    assert ("forward", "insert_release") in stages and ("backward", "reduce_grad") in stages
+    code = (folder / next(g["file"] for g in index["graphs"] if g["pass"] == "insert_release")).read_text()
+    assert "torch.ops.zinf.release.default" in code
+    plan = _json.loads((folder / "plan.json").read_text())
+    assert plan["peaks"]["device"]["kinds"]["gathered"] > 0

@@ -118,7 +118,22 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: Conf
     inputs = example_inputs + [_torch_compat.static_fake_like(t, example_inputs) for t in ctx.extra_inputs]
     record.counters["graph_inputs"] = len(inputs)
     compiled = (_compile_eager if cfg.compiler == "eager" else _compile_inductor)(gm, inputs, ctx)
+    if record.dump_folder() is not None:
+        _dump_plan(record)
     return _with_extra_inputs(compiled, ctx.extra_inputs, ctx.extra_specs, example_inputs)
+
+
+def _dump_plan(record: Any) -> None:
+    """Write this graph's static memory plan next to its dumped graphs (best effort: a report)."""
+    from .memory_plan import build_plan
+
+    stages = record.final_modules
+    if not ("inference" in stages or ("forward" in stages and "backward" in stages)):
+        return  # the backward is compiled later (lazily): written then
+    try:
+        build_plan([record]).save(record.dump_folder())
+    except Exception as exc:  # a report must never break a compile
+        record.warnings.append(f"zinf: memory plan not written: {exc}")
 
 
 def _with_extra_inputs(compiled: Callable, extra: List[Any], specs: List[Tuple[int, int]],
@@ -159,7 +174,10 @@ def _compile_eager(gm: torch.fx.GraphModule, example_inputs: List[Any], ctx: Com
 
     def stage_compiler(stage: str, passes: List[Tuple[str, Pass]]) -> Callable:
         def compiler(g: torch.fx.GraphModule, inputs: Sequence[Any]) -> Callable:
-            return _torch_compat.make_boxed(run_passes(g, inputs, passes, ctx=ctx, stage=stage))
+            g = run_passes(g, inputs, passes, ctx=ctx, stage=stage)
+            if stage == "backward" and ctx.record.dump_folder() is not None:
+                _dump_plan(ctx.record)
+            return _torch_compat.make_boxed(g)
 
         return compiler
 
@@ -194,6 +212,8 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: List[Any], ctx: 
         else:
             stage, passes = "forward", FORWARD_PASSES
         g = run_passes(g, inputs, passes, ctx=ctx, stage=stage)
+        if stage == "backward" and ctx.record.dump_folder() is not None:
+            _dump_plan(ctx.record)
         return _torch_compat.inductor_compile_fx_inner(g, inputs, **kw)
 
     custom = _torch_compat.custom_graph_pass(joint_pass, uuid=f"zinf-joint-{ctx.record.id}")
