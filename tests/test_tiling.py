@@ -80,16 +80,19 @@ def test_t1_and_sub_threshold_leave_graphs_unchanged(opts):
 
 
 class MatmulForms(nn.Module):
-    """Weights used as x @ W, mm(x, W.t()), linear(x, W.T), and a batched bmm weight."""
+    """Weights used as addmm(b, x, W), x @ W, mm(x, W.t()), linear(x, W.T), and a batched bmm weight."""
 
     def __init__(self):
         super().__init__()
+        self.e = nn.Parameter(torch.randn(16, 16) * 0.2)   # addmm(bias, x, e): tiles along dim 1
+        self.e_bias = nn.Parameter(torch.randn(16) * 0.1)
         self.a = nn.Parameter(torch.randn(16, 24) * 0.2)   # x @ a: tiles along dim 1
         self.b = nn.Parameter(torch.randn(20, 24) * 0.2)   # mm(h, b.t()): tiles along dim 0
         self.c = nn.Parameter(torch.randn(20, 12) * 0.2)   # linear(h, c.T): tiles along dim 1
         self.d = nn.Parameter(torch.randn(2, 12, 10) * 0.2)  # bmm(h, d): tiles along dim 2
 
     def forward(self, x):
+        x = torch.tanh(torch.addmm(self.e_bias, x, self.e))
         h = torch.tanh(x @ self.a)
         h = torch.tanh(torch.mm(h, self.b.t()))
         h = torch.tanh(F.linear(h, self.c.T))
@@ -103,7 +106,7 @@ def test_matmul_forms():
     assert_same_training(rl, zl, ref, m)
     plans = {z["param"]: z for s in zinf_compile.compile_records()[-1].graphs("dynamo")
              for z in s.zinf_nodes if z["kind"] == "tile_plan"}
-    assert {k: v["dim"] for k, v in plans.items()} == {"a": 1, "b": 0, "c": 1, "d": 2}
+    assert {k: v["dim"] for k, v in plans.items()} == {"e": 1, "a": 1, "b": 0, "c": 1, "d": 2}
 
 
 def test_each_tile_is_its_own_unit_and_working_memory_shrinks():

@@ -26,6 +26,7 @@ from ..pipeline import CompileContext
 
 LINEAR = (torch._C._nn.linear, F.linear)
 MATMUL = (operator.matmul, torch.matmul, torch.mm, torch.bmm, torch.Tensor.matmul, torch.Tensor.mm)
+ADDMM = (torch.addmm, torch.Tensor.addmm)  # addmm(bias, x, W): the weight is the third operand
 
 
 def _is_transpose(n: torch.fx.Node) -> bool:
@@ -48,6 +49,8 @@ def _weight_arg(use: torch.fx.Node) -> Optional[torch.fx.Node]:
         return use.args[1] if len(use.args) > 1 else use.kwargs.get("weight")
     if use.target in MATMUL and len(use.args) == 2 and not use.kwargs:
         return use.args[1]
+    if use.target in ADDMM and len(use.args) == 3 and not use.kwargs:
+        return use.args[2]
     return None
 
 
@@ -63,7 +66,7 @@ def classify(w: torch.fx.Node, ndim: int) -> Optional[List[Tuple[torch.fx.Node, 
             node, transpose = next(iter(u.users)), True
         if _weight_arg(node) is not (u if transpose else w):
             return None
-        mode = "linear" if node.target in LINEAR else "matmul"
+        mode = "linear" if node.target in LINEAR else "addmm" if node.target in ADDMM else "matmul"
         if mode == "linear":
             dim = 1 if transpose else 0  # the weight's rows are the output features
         else:

@@ -28,15 +28,22 @@ from ..pipeline import CompileContext, ParamInfo
 
 
 def tiled_matmul(x: torch.Tensor, tiles: Sequence[torch.Tensor], bounds: Sequence[Tuple[int, int]], *,
-                 op: Callable, transpose: bool, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The replacement, as eager code: one matmul per weight tile, outputs concatenated."""
+                 op: Callable, transpose: bool, bias: Optional[torch.Tensor] = None,
+                 bias_first: bool = False) -> torch.Tensor:
+    """The replacement, as eager code: one matmul per weight tile, outputs concatenated.
+
+    ``bias`` (sliced along the output dimension) is ``op``'s third argument (``F.linear``) or, with
+    ``bias_first``, its first (``addmm(bias, x, w)``).
+    """
     outs = []
     for w, (lo, hi) in zip(tiles, bounds):
         w = w.t() if transpose else w
-        if bias is not None:
-            outs.append(op(x, w, bias[lo:hi]))
-        else:
+        if bias is None:
             outs.append(op(x, w))
+        elif bias_first:
+            outs.append(op(bias[..., lo:hi], x, w))
+        else:
+            outs.append(op(x, w, bias[..., lo:hi]))
     return torch.cat(outs, dim=-1)
 
 
@@ -87,6 +94,9 @@ def _rewrite_use(graph: torch.fx.Graph, use: torch.fx.Node, w: torch.fx.Node,
     if tag["mode"] == "linear":
         bias = use.args[2] if len(use.args) > 2 else use.kwargs.get("bias")
         op: Callable = F.linear
+    elif tag["mode"] == "addmm":
+        bias, x = use.args[0], use.args[1]
+        op = use.target
     else:
         op = use.target
     tracer = torch.fx.proxy.GraphAppendingTracer(graph)
@@ -95,9 +105,10 @@ def _rewrite_use(graph: torch.fx.Graph, use: torch.fx.Node, w: torch.fx.Node,
             torch.fx.Proxy(x, tracer), [torch.fx.Proxy(t, tracer) for t in tile_nodes], bounds,
             op=op, transpose=tag["transpose"],
             bias=torch.fx.Proxy(bias, tracer) if isinstance(bias, torch.fx.Node) else None,
+            bias_first=tag["mode"] == "addmm",
         )
     out.node.meta["zinf"] = {**tag, "kind": "tile_loop", "tiles": len(tile_nodes)}
-    old_weight = use.args[1] if len(use.args) > 1 else use.kwargs.get("weight")
+    old_weight = use.args[2] if tag["mode"] == "addmm" else (use.args[1] if len(use.args) > 1 else use.kwargs.get("weight"))
     use.replace_all_uses_with(out.node)
     graph.erase_node(use)
     if isinstance(old_weight, torch.fx.Node) and old_weight is not w and not old_weight.users:
