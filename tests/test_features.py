@@ -275,3 +275,9 @@ def test_batchnorm_buffers_are_mutated_like_eager():
     rl, zl, ref, m = train_pair(make, batches, {"compiler": "eager"}, opt="sgd", lr=0.1)
     assert_same_training(rl, zl, ref, m)
     torch.testing.assert_close(m[1].running_var, ref[1].running_var)
+
+
+def test_dump_dir_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("ZINF_DUMP_DIR", str(tmp_path))
+    assert zinf_compile.Config().dump_dir == str(tmp_path)
+    assert zinf_compile.Config.from_options({"dump_dir": None}).dump_dir is None  # an explicit option wins

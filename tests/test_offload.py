@@ -128,3 +128,16 @@ def test_nvme_offload_through_inductor(tmp_path):
     o["compiler"] = "inductor"
     rl, zl, ref, m = train_pair(lambda: MLP(), batches, o, opt="sgd", lr=0.1)
     assert_same_training(rl, zl, ref, m)
+
+
+def test_bf16_tiling_and_split_offload_tiers_combine(tmp_path):
+    """Mixed precision + tiling + parameters on NVMe with the optimizer on CPU, against eager autocast."""
+    batches = [make_batch(CFG, 4, seed=i) for i in range(3)]
+    o = opts("nvme", "cpu", tmp_path, mixed_precision="bf16", tiles=2, tile_threshold_bytes=10_000)
+    rl, zl, ref, m = train_pair(lambda: GPT(CFG), batches, o, autocast=torch.bfloat16, opt="sgd", lr=0.05)
+    torch.testing.assert_close(torch.tensor(zl), torch.tensor(rl), rtol=2e-2, atol=2e-2)
+    full = zinf_compile.full_state_dict(m)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, rtol=2e-2, atol=2e-2)
+    rec = zinf_compile.compile_records()[-1]
+    assert rec.counters["tiled_weights"] > 0 and rec.counters["gathered_in_compute_dtype"] > 0
