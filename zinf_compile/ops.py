@@ -21,8 +21,7 @@ REDUCE_GRAD = torch.ops.zinf.reduce_grad.default
 GRAD_OF = torch.ops.zinf.grad_of.default  # joint-graph marker only
 
 ZINF_OPS = (FETCH_SHARD, ALL_GATHER, RELEASE, REDUCE_GRAD, GRAD_OF)
-OP_NAMES = {FETCH_SHARD: "fetch_shard", ALL_GATHER: "all_gather", RELEASE: "release", REDUCE_GRAD: "reduce_grad",
-            GRAD_OF: "grad_of"}
+
 
 
 def is_zinf(node: torch.fx.Node, op: Optional[Any] = None) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from typing import Dict, Iterable, List, Set
+from typing import Dict, List, Set
 
 import torch
 import torch.fx
@@ -63,12 +63,3 @@ def op_counts(graph: torch.fx.Graph) -> Dict[str, int]:
 
 def placeholders(graph: torch.fx.Graph) -> List[torch.fx.Node]:
     return [n for n in graph.nodes if n.op == "placeholder"]
-
-
-def output_args(graph: torch.fx.Graph) -> List:
-    out = graph.find_nodes(op="output")[0]
-    return list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
-
-
-def tensor_inputs(node: torch.fx.Node) -> Iterable[torch.fx.Node]:
-    return [a for a in node.all_input_nodes]
