@@ -59,3 +59,8 @@ def broadcast(t: torch.Tensor, group: ProcessGroup) -> None:
 def all_reduce_sum(t: torch.Tensor, group: ProcessGroup) -> None:
     if world_size(group) > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+
+
+def all_reduce_max(t: torch.Tensor, group: ProcessGroup) -> None:
+    if world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)

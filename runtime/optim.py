@@ -16,6 +16,7 @@ this rank's shards).
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -30,6 +31,19 @@ class ShardedOptimizerMixin:
     _zinf_sharded = True
     param_groups: List[dict]
     state: Dict
+
+    def add_param_group(self, param_group: dict) -> None:  # type: ignore[override]
+        super().add_param_group(param_group)  # type: ignore[misc]
+        for p in self.param_groups[-1]["params"]:
+            if p.requires_grad and not hasattr(p, "_zinf_average_hook"):
+                p._zinf_average_hook = p.register_post_accumulate_grad_hook(_average_replicated(self))
+
+    def _dp_group(self) -> object:
+        """The dp group of this optimizer's partitioned parameters (None: the default group)."""
+        for group in self.param_groups:
+            for _, h in store.iter_handles(group["params"]):
+                return h.placement.group
+        return None
 
     def step(self, closure: Optional[Callable[[], float]] = None):  # type: ignore[override]
         loss = None
@@ -51,17 +65,17 @@ class ShardedOptimizerMixin:
                         continue
                     units = h.units()
                     if h.placement.master_tier == "nvme":
-                        streamed.extend((gi, u) for u in units if u.grad_slot.present)
+                        streamed.extend((gi, u) for u in units if u.grad_live())
                         continue
                     moved.append((p, [u.master.resident() for u in units]))
                     states = self._unit_states(p, len(units))
                     for unit, st in zip(units, states):
                         shadow = unit.master.resident()
-                        shadow.grad = unit.grad_slot.resident()
+                        shadow.grad = unit.grad_shard()  # None: param.grad is None, torch skips it
                         if st:
                             self.state[shadow] = st
                         shadows.append(shadow)
-                        if unit.grad_slot.present:
+                        if shadow.grad is not None:
                             touched.append(unit)
                 swapped.append((group, originals))
                 group["params"] = shadows
@@ -110,7 +124,10 @@ class ShardedOptimizerMixin:
             out = []
             for gi, u in group:
                 master, hm = read(u.master)
-                grad, hg = read(u.grad_slot)
+                if u.grad_slot.present:
+                    grad, hg = read(u.grad_slot)
+                else:  # zeroed in place (zero_grad(set_to_none=False)): step with zeros, as eager does
+                    grad, hg = pool.acquire(u.grad_slot.numel, u.grad_slot.dtype).zero_(), None
                 st = {k: read(slot) for k, slot in u.optim_slots.items()}
                 out.append((gi, u, master, grad, st, [h for h in (hm, hg, *(h for _, h in st.values())) if h]))
             return out
@@ -171,47 +188,92 @@ class ShardedOptimizerMixin:
         return list(tiles)
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
+        """torch's ``zero_grad`` (``param.grad`` of a partitioned parameter is its ``ShardedGrad``:
+        set to None or zeroed in place on its tier); with ``set_to_none`` the shards' memory goes too."""
         super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
-        for group in self.param_groups:
-            for _, h in store.iter_handles(group["params"]):
-                h.zero_grad(set_to_none)
+        if set_to_none:
+            for group in self.param_groups:
+                for _, h in store.iter_handles(group["params"]):
+                    h.zero_grad(True)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the gradient shards (and plain ``.grad``s).
+        """``torch.nn.utils.clip_grad_norm_`` over this optimizer's parameters (kept for old callers:
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` itself works on zinf gradients)."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
 
-        ``clip_grad_norm_(model.parameters())`` sees ``param.grad is None`` for partitioned
-        parameters; this one reduces the norm over every rank's shards instead.
-        """
-        if norm_type != 2.0:
-            raise ValueError(f"clip_grad_norm_: only norm_type=2.0 is supported, got {norm_type}")
-        grads: List[torch.Tensor] = []
-        group_of_grads = None
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _indexed_params(self) -> List[tuple[int, torch.Tensor]]:
+        """(index in ``state_dict()["state"]``, param), numbered as ``torch.optim.Optimizer`` does."""
+        out, seen, start = [], set(), 0
         for group in self.param_groups:
-            for p in group["params"]:
-                h = store.handle_of(p)
-                if h is not None:
-                    for unit in h.units():
-                        if unit.grad_slot.present:
-                            grads.append(unit.grad_slot)
-                            group_of_grads = h.placement.group
-                elif p.grad is not None:
-                    grads.append(p.grad)
-        def value(g: object) -> torch.Tensor:
-            return g.get() if isinstance(g, Slot) else g  # type: ignore[return-value]
+            for i, p in enumerate(group["params"], start):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((i, p))
+            start += len(group["params"])
+        return out
 
-        total = torch.zeros((), dtype=torch.float64)
-        for g in grads:
-            total += value(g).detach().double().pow(2).sum().cpu()
-        comm.all_reduce_sum(total, group_of_grads)
-        norm = total.sqrt().float()
-        coef = max_norm / (float(norm) + 1e-6)
-        if coef < 1.0 and math.isfinite(coef):
-            for g in grads:
-                t = value(g)
-                t.mul_(coef)
-                if isinstance(g, Slot) and g.tier == "nvme":
-                    g.set(t)
-        return norm
+    def state_dict(self) -> Dict:  # type: ignore[override]
+        """torch's state dict; NVMe-resident moments are read into it (this rank's shards)."""
+        sd = super().state_dict()  # type: ignore[misc]
+        for idx, p in self._indexed_params():
+            h = store.handle_of(p)
+            if h is None or h.placement.master_tier != "nvme":
+                continue
+            states = []
+            for u in h.units():
+                st = {name: slot.get().clone() for name, slot in u.optim_slots.items() if slot.present}
+                st.update({k: (v.clone() if torch.is_tensor(v) else v) for k, v in u.optim_small.items()})
+                states.append(st)
+            if any(states):
+                sd["state"][idx] = states[0] if len(states) == 1 else {"tiles": states}
+        return sd
+
+    def load_state_dict(self, state_dict: Dict) -> None:  # type: ignore[override]
+        """torch's ``load_state_dict``; a partitioned parameter's state goes back onto its optimizer tier
+        (fp32 moments on the master's device, or into its NVMe slots), not onto the compute device."""
+        saved = dict(state_dict["state"])
+        mine: Dict[int, tuple[torch.Tensor, store.ParamHandle, dict]] = {}
+        for idx, p in self._indexed_params():
+            h = store.handle_of(p)
+            if h is not None and idx in saved:
+                mine[idx] = (p, h, saved.pop(idx))
+        super().load_state_dict({**state_dict, "state": saved})  # type: ignore[misc]
+        for idx, (p, h, st) in mine.items():
+            units = h.units()
+            per_unit = st.get("tiles") if len(units) > 1 else [st]
+            if per_unit is None or len(per_unit) != len(units):
+                raise ValueError(f"zinf: saved optimizer state of {h.name!r} does not match its {len(units)} "
+                                 "tile(s); load with the same tiling options it was saved with")
+            placed = [self._place_state(u, dict(s)) for u, s in zip(units, per_unit)]
+            if h.placement.master_tier != "nvme":
+                self.state[p] = placed[0] if len(units) == 1 else {"tiles": placed}
+        self._account_state()
+
+    def _place_state(self, u: store.ParamHandle, st: dict) -> dict:
+        """One unit's state on its tier: per-element tensors must be this rank's shard size."""
+        device = u.placement.storage_device()
+        out = {}
+        for name, v in st.items():
+            if torch.is_tensor(v) and v.dim() > 0:
+                if v.numel() != u.shard_numel:
+                    raise ValueError(
+                        f"zinf: optimizer state {name!r} of {u.name!r} has {v.numel()} elements, but this "
+                        f"rank's shard has {u.shard_numel}: it was saved with another dp size or model")
+                v = v.detach().to(device=device, dtype=torch.float32 if v.is_floating_point() else v.dtype)
+            out[name] = v
+        if u.placement.master_tier == "nvme":
+            u.optim_small.clear()
+            for name, v in out.items():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    if name not in u.optim_slots:
+                        u.optim_slots[name] = u._slot("nvme", "optim", v.dtype, f"optim.{name}")
+                    u.optim_slots[name].set(v.contiguous())
+                else:
+                    u.optim_small[name] = v
+            return {}
+        return out
 
     def _account_state(self) -> None:
         """Add this optimizer's state bytes per tier to the accounting (as a delta: several coexist)."""
@@ -225,6 +287,25 @@ class ShardedOptimizerMixin:
         for tier in set(per_tier) | set(before):
             accounting.add(tier, "optim", per_tier.get(tier, 0) - before.get(tier, 0))
         self._zinf_state_bytes = per_tier
+
+
+def _average_replicated(optimizer: ShardedOptimizerMixin) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook: a parameter no compiled graph partitions (used only in eager code)
+    is replicated on every rank, so its gradient is averaged over dp as DDP does. Averaging the
+    accumulated ``.grad`` after each backward is exact: mean(mean(g1) + g2) = mean(g1) + mean(g2)."""
+    ref = weakref.ref(optimizer)
+
+    def hook(p: torch.Tensor) -> None:
+        opt = ref()
+        if opt is None or store.handle_of(p) is not None or p.grad is None:
+            return
+        group = opt._dp_group()
+        world = comm.world_size(group)
+        if world > 1:
+            comm.all_reduce_sum(p.grad, group)
+            p.grad.div_(world)
+
+    return hook
 
 
 class AdamW(ShardedOptimizerMixin, torch.optim.AdamW):

@@ -23,6 +23,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from . import accounting, comm, tiers, triton_copy
+from .grads import ShardedGrad
 from .swap import SwapConfig
 
 UID_ATTR = "_zinf_uid"
@@ -95,6 +96,7 @@ class ParamHandle:
         self.parent: Optional["ParamHandle"] = None  # set on a tile: the handle it was split from
         self.tile_index = 0
         self._tile_inputs: Optional[List[torch.nn.Parameter]] = None
+        self._grad_view: Optional[ShardedGrad] = None  # param.grad while it holds this handle's gradient
         pl = placement
         self.master: Optional[tiers.Slot] = self._slot(pl.master_tier, "param", torch.float32, "master")
         # the copy forward/backward fetch; None: the master serves (same memory tier, fp32 model)
@@ -301,8 +303,48 @@ class ParamHandle:
         self.master_updated()
 
     # -- gradients -----------------------------------------------------------------------------
+    # ``param.grad`` is the source of truth, as for any tensor: the shards accumulate while it holds
+    # this handle's ``ShardedGrad``; once the user sets it to None (``zero_grad``), the next reduction
+    # starts from zero. The gradient slots are only the storage behind that view.
+    def _owner(self) -> "ParamHandle":
+        return self.parent or self
+
+    def grad_live(self) -> bool:
+        """Whether the parameter's ``.grad`` is this handle's sharded gradient (else: no gradient)."""
+        owner = self._owner()
+        p = owner.param()
+        view = owner._grad_view
+        return view is not None and p is not None and p.grad is view
+
+    def _begin_grad(self) -> None:
+        """Before accumulating: start from zero unless ``param.grad`` still holds our sharded view."""
+        owner = self._owner()
+        p = owner.param()
+        if p is None or self.grad_live():
+            return
+        current = p.grad
+        for u in owner.units():
+            u.grad_slot.drop()
+        owner._grad_view = ShardedGrad(p, owner)
+        if current is not None:  # a full tensor the user assigned: it is the starting value
+            owner._load_full_grad(current.detach())
+        p.grad = owner._grad_view
+
+    def _load_full_grad(self, full: torch.Tensor) -> None:
+        if self.tiles is not None:
+            for t, (lo, hi) in zip(self.tiles, self.tile_bounds):
+                t._load_full_grad(full.narrow(self.tile_dim, lo, hi - lo))
+            return
+        flat = full.reshape(-1).to(torch.float32)
+        lo = self.rank * self.shard_numel
+        shard = torch.zeros(self.shard_numel, dtype=torch.float32)
+        own = flat[lo : min(lo + self.shard_numel, self.numel)]
+        shard[: own.numel()].copy_(own)
+        self.grad_slot.set(shard)
+
     def reduce_grad(self, grad: torch.Tensor) -> None:
         """Reduce-scatter (mean over dp) ``grad``; accumulate the fp32 shard on the optimizer's tier."""
+        self._begin_grad()
         with accounting.gradient_buffer(_nbytes(grad), self.name):
             if self.tiles is not None:
                 for t, (lo, hi) in zip(self.tiles, self.tile_bounds):
@@ -334,15 +376,61 @@ class ParamHandle:
             acc.add_(shard.to("cpu"))
             slot.set(acc, donate=True, recycle=True)
 
+    def grad_shard(self) -> Optional[torch.Tensor]:
+        """What the optimizer steps with: the fp32 gradient shard (padded; zeros after ``zero_()``),
+        or None when the parameter has no gradient (``param.grad is None``)."""
+        if not self.grad_live():
+            return None
+        if not self.grad_slot.present:
+            return torch.zeros(self.shard_numel, dtype=torch.float32, device=self.placement.storage_device())
+        return self.grad_slot.get()
+
+    def grad_values(self) -> torch.Tensor:
+        """This rank's gradient values without the padding (zeros when none was reduced yet)."""
+        lo = self.rank * self.shard_numel
+        valid = max(0, min(self.shard_numel, self.numel - lo))
+        if not self.grad_slot.present:
+            return torch.zeros(valid, dtype=torch.float32, device=self.placement.storage_device())
+        return self.grad_slot.get()[:valid]
+
+    def full_grad(self) -> torch.Tensor:
+        """The full fp32 gradient (collective when dp > 1), on the optimizer tier's device."""
+        if self.tiles is not None:
+            return torch.cat([t.full_grad() for t in self.tiles], dim=self.tile_dim)
+        shard = (self.grad_slot.get() if self.grad_slot.present else
+                 torch.zeros(self.shard_numel, dtype=torch.float32, device=self.placement.storage_device()))
+        if self.world == 1:
+            return shard[: self.numel].clone().view(self.shape)
+        buf = torch.empty(self.padded_numel, dtype=torch.float32, device=shard.device)
+        comm.all_gather_flat(buf, shard.contiguous(), self.placement.group)
+        return buf[: self.numel].view(self.shape)
+
+    def scale_grad(self, factor: float) -> None:
+        """Multiply the gradient shard in place on its tier (clipping, unscaling)."""
+        slot = self.grad_slot
+        if not slot.present or factor == 1.0:
+            return
+        if slot.tier != "nvme":
+            slot.resident().mul_(factor)
+        else:
+            acc = tiers.pool.acquire(slot.numel, slot.dtype, slot.pin)
+            slot.get_async(out=acc)[1].wait()
+            acc.mul_(factor)
+            slot.set(acc, donate=True, recycle=True)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for t in self.tiles or ():
             t.zero_grad(set_to_none)
         if not self.grad_slot.present:
             return
         if set_to_none or self.grad_slot.tier == "nvme":
-            self.grad_slot.drop()
+            self.grad_slot.drop()  # an absent slot under a live view reads as zeros
         else:
             self.grad_slot.resident().zero_()
+        if set_to_none and self.parent is None:
+            p = self.param()
+            if p is not None and self.grad_live():
+                p.grad = None
 
     def _drop_data(self) -> None:
         self._drop_compute()
