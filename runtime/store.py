@@ -633,6 +633,22 @@ def partition(
     return [getattr(p, UID_ATTR) for _, p in items]
 
 
+def sync_buffers(buffers: Iterable[torch.Tensor], group: Optional[object]) -> None:
+    """Broadcast each buffer from the group's rank 0 once, when its graph's parameters are partitioned:
+    buffers are replicated state (BatchNorm statistics, masks), so ranks start from rank 0's, as in DDP."""
+    if comm.world_size(group) == 1:
+        return
+    for b in buffers:
+        if getattr(b, "_zinf_synced", False):
+            continue
+        dev = comm.group_device(group)
+        data = b.detach().to(dev).contiguous()
+        comm.broadcast(data, group)
+        with torch.no_grad():
+            b.copy_(data.to(b.device))
+        b._zinf_synced = True
+
+
 # -- a guard against stepping partitioned parameters with a plain torch optimizer ----------------
 _guard_installed = False
 

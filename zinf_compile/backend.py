@@ -25,7 +25,7 @@ import torch.fx
 
 import zinf_runtime
 
-from . import _torch_compat
+from . import _torch_compat, rendezvous
 from .config import Config
 from .passes.autocast import autocast_pass
 from .passes.insert_fetch import insert_fetch_pass
@@ -52,11 +52,15 @@ BACKWARD_PASSES: List[Tuple[str, Pass]] = [
 INFERENCE_PASSES: List[Tuple[str, Pass]] = [("insert_fetch", insert_fetch_pass)] + FORWARD_PASSES
 
 
-def _param_name(node: torch.fx.Node) -> str:
-    """The parameter's name as in ``model.named_parameters()`` (e.g. ``blocks.0.fc.weight``)."""
+def _source_text(node: torch.fx.Node) -> str:
     source = getattr(node, "_dynamo_source", None)
     text = getattr(source, "name", "") if source is not None else ""
-    text = text() if callable(text) else str(text)
+    return text() if callable(text) else str(text)
+
+
+def _param_name(node: torch.fx.Node) -> str:
+    """The parameter's name as in ``model.named_parameters()`` (e.g. ``blocks.0.fc.weight``)."""
+    text = _source_text(node)
     parts = re.findall(r"_(?:modules|parameters|buffers)\['([^']+)'\]", text)
     if parts:
         return ".".join(parts)
@@ -96,6 +100,10 @@ def _partition_inputs(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: 
     )
     names = [_param_name(phs[i]) if i < len(phs) else f"input{i}" for i, _ in found]
     uids = zinf_runtime.partition([(n, t) for n, (_, t) in zip(names, found)], placement, cfg.sync_module_states)
+    if cfg.sync_module_states:  # buffers are replicated: rank 0's values win, as for the parameters
+        buffers = [t for i, t in enumerate(example_inputs) if i < len(phs) and isinstance(t, torch.Tensor)
+                   and not isinstance(t, torch.nn.Parameter) and "_buffers[" in _source_text(phs[i])]
+        zinf_runtime.store.sync_buffers(buffers, placement.group)
     infos = {}
     for (i, t), uid, name in zip(found, uids, names):
         h = zinf_runtime.handle_of(t)
@@ -120,7 +128,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: Conf
     compiled = (_compile_eager if cfg.compiler == "eager" else _compile_inductor)(gm, inputs, ctx)
     if record.dump_folder() is not None:
         _dump_plan(record)
-    return _with_extra_inputs(compiled, ctx.extra_inputs, ctx.extra_specs, example_inputs)
+    compiled = _with_extra_inputs(compiled, ctx.extra_inputs, ctx.extra_specs, example_inputs)
+    return rendezvous.guard(compiled, ctx, record.name)
 
 
 def _dump_plan(record: Any) -> None:

@@ -1,0 +1,101 @@
+"""dp = 2 worker for training-loop semantics (launched by tests/test_dp_loop.py under torchrun).
+
+Scenario ``train``: a model whose parameters have odd sizes (uneven shards, odd tiles), a buffer that
+differs per rank before compile, and a parameter used only in eager code (replicated). Each rank takes
+its half of the global batch; the loop clips with ``clip_grad_norm_(model.parameters())`` and steps SGD.
+Scenarios ``eval_alone`` / ``eval_vs_train``: rank 0 evaluates while rank 1 is idle / training.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import zinf_compile
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(7, 13)  # weight 91 elements, bias 13: odd, so shards are padded
+        self.fc2 = nn.Linear(13, 5)
+        self.register_buffer("shift", torch.zeros(7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x + self.shift)))
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 5))  # used only outside the compiled graph
+
+
+def data(steps: int, batch: int = 8):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, 7, generator=g), torch.randn(batch, 5, generator=g)) for _ in range(steps)]
+
+
+def loss_of(net_out: torch.Tensor, scale: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((net_out * scale - y) ** 2).mean()
+
+
+def main(out_path: str, scenario: str, options_json: str, steps: int) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Outer()
+    if rank == 1:
+        with torch.no_grad():
+            model.net.shift.fill_(1.0)  # rank 0's buffer must win
+    cnet = torch.compile(model.net, backend="zinf", options=json.loads(options_json))
+    opt = zinf_compile.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    result: dict = {"losses": [], "norms": []}
+    batches = data(steps)
+    if scenario == "train":
+        for x, y in batches:
+            lo, hi = rank * len(x) // world, (rank + 1) * len(x) // world
+            loss = loss_of(cnet(x[lo:hi]), model.scale, y[lo:hi])
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            opt.step()
+            model.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            result["losses"].append(mean.item() / world)
+            result["norms"].append(norm.item())
+        result["state"] = zinf_compile.full_state_dict(model)
+        result["shift"] = model.net.shift.clone()
+        result["scale_rank"] = model.scale.detach().clone()
+    else:
+        x, y = batches[0]
+        loss_of(cnet(x), model.scale, y).backward()  # every rank compiles and trains once
+        opt.step(); model.zero_grad()
+        t0 = time.time()
+        try:
+            if rank == 0:
+                with torch.no_grad():
+                    cnet(x)
+            elif scenario == "eval_vs_train":
+                loss_of(cnet(x), model.scale, y).backward()
+            else:
+                time.sleep(float(sys.argv[5]))
+            result["error"] = None
+        except RuntimeError as exc:
+            result["error"] = str(exc)
+        result["seconds"] = time.time() - t0
+    torch.save(result, f"{out_path}.{rank}")
+    if scenario == "train":
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
