@@ -15,14 +15,39 @@ this rank's shards).
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
-from typing import Callable, Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from . import accounting, comm, store
 from .tiers import Slot, pool
+
+
+@dataclass
+class _StepPlan:
+    """What one step swapped in: groups' original params, shadows per parameter, units to refresh/stream."""
+
+    swapped: List[tuple[dict, list]] = field(default_factory=list)
+    moved: List[tuple[torch.Tensor, List[torch.Tensor]]] = field(default_factory=list)
+    touched: List[store.ParamHandle] = field(default_factory=list)
+    streamed: List[tuple[int, store.ParamHandle]] = field(default_factory=list)
+
+
+def base_step(cls: type) -> Callable:
+    """The ``step`` of the torch optimizer class under the mixin, without torch's hook wrapper: hooks fire
+    once per logical step (around the mixin's ``step``), not once per NVMe sub-group."""
+    mro = cls.__mro__
+    for klass in mro[mro.index(ShardedOptimizerMixin) + 1:]:
+        if "step" in klass.__dict__:
+            fn = klass.__dict__["step"]
+            while getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__"):
+                fn = fn.__wrapped__
+            return fn
+    raise TypeError(f"zinf: {cls.__name__} has no step() to run on the shards")
 
 
 class ShardedOptimizerMixin:
@@ -46,14 +71,46 @@ class ShardedOptimizerMixin:
         return None
 
     def step(self, closure: Optional[Callable[[], float]] = None):  # type: ignore[override]
+        """torch's step of the class under the mixin, run on the shards (hooks: see ``_hooked_once``)."""
+        stale = self.__dict__.pop("_zinf_plan", None)  # a step through the plain class that raised
+        if stale is not None:
+            self._swap_out(stale)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        swapped: List[tuple[dict, list]] = []
-        moved: List[tuple[torch.Tensor, List[torch.Tensor]]] = []
-        touched: List[store.ParamHandle] = []
-        streamed: List[tuple[int, store.ParamHandle]] = []
+        plan = self._swap_in()
+        try:
+            base_step(type(self))(self)
+        finally:
+            self._swap_out(plan)
+        self._finish(plan)
+        return loss
+
+    def _patch_step_function(self) -> None:
+        """torch wraps ``type(self).step`` with its hook runner; the twin marks calls that came through it,
+        so ``optim_adapt.pre_step`` leaves them to ``step`` (it swaps only for a plain class's step)."""
+        cls = type(self)
+        if not getattr(cls.__dict__.get("step"), "hooked", False):
+            hooked = torch.optim.Optimizer.profile_hook_step(cls.step)
+
+            @functools.wraps(hooked)
+            def step(opt: "ShardedOptimizerMixin", *args: Any, **kwargs: Any) -> Any:
+                depth = opt.__dict__.get("_zinf_in_twin_step", 0)
+                opt._zinf_in_twin_step = depth + 1
+                try:
+                    return hooked(opt, *args, **kwargs)
+                finally:
+                    opt._zinf_in_twin_step = depth
+
+            step.hooked = True  # type: ignore[attr-defined]
+            cls.step = step  # type: ignore[method-assign]
+        self._zero_grad_profile_name = f"Optimizer.zero_grad#{cls.__name__}.zero_grad"
+
+    def _swap_in(self) -> "_StepPlan":
+        """Put each memory-tier unit's fp32 master shard (its ``.grad`` the gradient shard) in place of the
+        partitioned parameter in ``param_groups``; NVMe units are left out, to be streamed after."""
+        plan = _StepPlan()
         try:
             for gi, group in enumerate(self.param_groups):
                 originals = group["params"]
@@ -65,9 +122,9 @@ class ShardedOptimizerMixin:
                         continue
                     units = h.units()
                     if h.placement.master_tier == "nvme":
-                        streamed.extend((gi, u) for u in units if u.grad_live())
+                        plan.streamed.extend((gi, u) for u in units if u.grad_live())
                         continue
-                    moved.append((p, [u.master.resident() for u in units]))
+                    plan.moved.append((p, [u.master.resident() for u in units]))
                     states = self._unit_states(p, len(units))
                     for unit, st in zip(units, states):
                         shadow = unit.master.resident()
@@ -76,29 +133,37 @@ class ShardedOptimizerMixin:
                             self.state[shadow] = st
                         shadows.append(shadow)
                         if shadow.grad is not None:
-                            touched.append(unit)
-                swapped.append((group, originals))
+                            plan.touched.append(unit)
+                plan.swapped.append((group, originals))
                 group["params"] = shadows
-            super().step()  # type: ignore[misc]
-        finally:
-            for group, originals in swapped:
-                group["params"] = originals
-            for p, shadows_of_p in moved:
-                states = []
-                for shadow in shadows_of_p:
-                    shadow.grad = None
-                    states.append(self.state.pop(shadow, {}))
-                if len(shadows_of_p) == 1:
-                    if states[0]:
-                        self.state[p] = states[0]
-                elif any(states):
-                    self.state[p] = {"tiles": states}
-        for h in touched:
+        except BaseException:
+            self._swap_out(plan)
+            raise
+        return plan
+
+    def _swap_out(self, plan: "_StepPlan") -> None:
+        """Undo ``_swap_in``: the real parameters back in ``param_groups``, state keyed by them again."""
+        for group, originals in plan.swapped:
+            group["params"] = originals
+        for p, shadows_of_p in plan.moved:
+            states = []
+            for shadow in shadows_of_p:
+                shadow.grad = None
+                states.append(self.state.pop(shadow, {}))
+            if len(shadows_of_p) == 1:
+                if states[0]:
+                    self.state[p] = states[0]
+            elif any(states):
+                self.state[p] = {"tiles": states}
+        plan.swapped, plan.moved = [], []
+
+    def _finish(self, plan: "_StepPlan") -> None:
+        """After the memory-tier step: refresh parameter copies, stream the NVMe units, account state."""
+        for h in plan.touched:
             h.master_updated()
-        if streamed:
-            self._step_streamed(streamed)
+        if plan.streamed:
+            self._step_streamed(plan.streamed)
         self._account_state()
-        return loss
 
     def _step_streamed(self, items: List[tuple[int, store.ParamHandle]]) -> None:
         """Step units whose master, gradient and moments live on NVMe, a sub-group at a time.
@@ -150,7 +215,7 @@ class ShardedOptimizerMixin:
                     lists[gi].append(master)
                 for g, lst in zip(self.param_groups, lists):
                     g["params"] = lst
-                super().step()  # type: ignore[misc]
+                base_step(type(self))(self)
                 for gi, u, master, grad, st, _ in current:
                     master.grad = None
                     pool.release(grad)
@@ -241,27 +306,44 @@ class ShardedOptimizerMixin:
                 mine[idx] = (p, h, saved.pop(idx))
         super().load_state_dict({**state_dict, "state": saved})  # type: ignore[misc]
         for idx, (p, h, st) in mine.items():
-            units = h.units()
-            per_unit = st.get("tiles") if len(units) > 1 else [st]
-            if per_unit is None or len(per_unit) != len(units):
-                raise ValueError(f"zinf: saved optimizer state of {h.name!r} does not match its {len(units)} "
-                                 "tile(s); load with the same tiling options it was saved with")
-            placed = [self._place_state(u, dict(s)) for u, s in zip(units, per_unit)]
-            if h.placement.master_tier != "nvme":
-                self.state[p] = placed[0] if len(units) == 1 else {"tiles": placed}
+            self._adopt_state(p, h, st)
         self._account_state()
+
+    def _adopt_state(self, p: torch.Tensor, h: store.ParamHandle, st: dict) -> None:
+        """Take ``st`` (a saved state of ``p``: one dict, or ``{"tiles": [...]}``) onto ``p``'s tier."""
+        units = h.units()
+        per_unit = st.get("tiles") if len(units) > 1 else [st]
+        if per_unit is None and h.tiles is not None:  # full-shaped state (made at construction): split
+            per_unit = [{k: (v.narrow(h.tile_dim, lo, hi - lo) if torch.is_tensor(v) and tuple(v.shape) == h.shape
+                             else v) for k, v in st.items()} for lo, hi in h.tile_bounds]
+        if per_unit is None or len(per_unit) != len(units):
+            raise ValueError(f"zinf: saved optimizer state of {h.name!r} does not match its {len(units)} "
+                             "tile(s); load with the same tiling options it was saved with")
+        placed = [self._place_state(u, dict(s)) for u, s in zip(units, per_unit)]
+        if h.placement.master_tier != "nvme":
+            self.state[p] = placed[0] if len(units) == 1 else {"tiles": placed}
 
     def _place_state(self, u: store.ParamHandle, st: dict) -> dict:
         """One unit's state on its tier: per-element tensors must be this rank's shard size."""
         device = u.placement.storage_device()
         out = {}
         for name, v in st.items():
+            if torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) == u.shape and u.shape != (u.shard_numel,):
+                # a full-shaped state, created over the whole parameter (Adagrad's ``sum`` at construction):
+                # this rank's slice of it, padded like the shards
+                flat = v.detach().reshape(-1)
+                lo = u.rank * u.shard_numel
+                own = torch.zeros(u.shard_numel, dtype=v.dtype, device=v.device)
+                piece = flat[lo : min(lo + u.shard_numel, u.numel)]
+                own[: piece.numel()].copy_(piece)
+                v = own
             if torch.is_tensor(v) and v.dim() > 0:
                 if v.numel() != u.shard_numel:
                     raise ValueError(
                         f"zinf: optimizer state {name!r} of {u.name!r} has {v.numel()} elements, but this "
                         f"rank's shard has {u.shard_numel}: it was saved with another dp size or model")
-                v = v.detach().to(device=device, dtype=torch.float32 if v.is_floating_point() else v.dtype)
+                v = v.detach().reshape(-1).to(device=device,
+                                              dtype=torch.float32 if v.is_floating_point() else v.dtype)
             out[name] = v
         if u.placement.master_tier == "nvme":
             u.optim_small.clear()

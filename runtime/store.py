@@ -28,6 +28,7 @@ from .swap import SwapConfig
 
 UID_ATTR = "_zinf_uid"
 _uids = itertools.count(1)
+epoch = 0  # bumped whenever new parameters are partitioned (optimizers re-check theirs then)
 _handles: Dict[int, "ParamHandle"] = {}
 _lock = threading.Lock()
 
@@ -629,6 +630,8 @@ def partition(
             del flat
             _free_storage([p])  # one at a time: the whole model never exists twice
     if new:
+        global epoch
+        epoch += 1
         _install_optimizer_guard()
     return [getattr(p, UID_ATTR) for _, p in items]
 
@@ -649,32 +652,22 @@ def sync_buffers(buffers: Iterable[torch.Tensor], group: Optional[object]) -> No
         b._zinf_synced = True
 
 
-# -- a guard against stepping partitioned parameters with a plain torch optimizer ----------------
-_guard_installed = False
-
-
-def _optimizer_guard(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    if getattr(optimizer, "_zinf_sharded", False):
-        return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            h = handle_of(p)
-            if h is not None:
-                raise RuntimeError(
-                    f"zinf: {type(optimizer).__module__}.{type(optimizer).__name__} cannot step parameter "
-                    f"{h.name!r}: it is partitioned by the zinf backend, its gradient lives in zinf's "
-                    "shards and param.grad is None, so this step would silently do nothing. Use "
-                    "zinf_compile.optim.AdamW / zinf_compile.optim.SGD (same arguments) instead."
-                )
+# -- any torch.optim optimizer steps partitioned parameters (runtime/optim_adapt.py) --------------
+_hooks_installed = False
 
 
 def _install_optimizer_guard() -> None:
-    global _guard_installed
-    if not _guard_installed:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+    """Register the global optimizer step hooks once: they act only on optimizers that hold partitioned
+    parameters (converting them to step the shards); any other optimizer is left as it is."""
+    global _hooks_installed
+    if not _hooks_installed:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        register_optimizer_step_pre_hook(_optimizer_guard)
-        _guard_installed = True
+        from . import optim_adapt
+
+        register_optimizer_step_pre_hook(optim_adapt.pre_step)
+        register_optimizer_step_post_hook(optim_adapt.post_step)
+        _hooks_installed = True
 
 
 def iter_handles(params: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, ParamHandle]]:

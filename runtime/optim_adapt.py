@@ -1,0 +1,179 @@
+"""Any ``torch.optim`` optimizer steps partitioned parameters, unchanged.
+
+A training script builds ``torch.optim.AdamW(groups, ...)`` over the model's parameters; after zinf
+partitions them their data live in 1/dp fp32 shards. The optimizer keeps its class, arguments,
+``param_groups``, hooks and schedulers; on its first step it becomes the sharded twin of its class
+(``ShardedOptimizerMixin`` + the class itself, still an instance of it), whose ``step`` runs the class's
+own update on the shards::
+
+    before: torch.optim.AdamW(...).step()  -> error: cannot step a partitioned parameter
+    after:  first step: probe (is the update elementwise?) -> swap shards in -> the class's step -> swap out
+            later steps: type(opt) is the twin (isinstance(opt, torch.optim.AdamW) still holds)
+
+Stepping shards is exact only for updates that treat each element on its own. That is decided from
+behaviour, not from names: before the first step the optimizer's own step runs on a 4x6 probe tensor
+and, separately, on its two flat halves; an optimizer whose halves move differently (a trust ratio from
+a norm, an orthogonalized matrix, a factored moment) or that refuses 1-D tensors is refused by name.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from collections import defaultdict
+from typing import Any, Dict, Optional
+
+import torch
+
+from . import store
+from .optim import SGD, Adam, AdamW, ShardedOptimizerMixin, _average_replicated
+
+_TWINS: Dict[type, type] = {torch.optim.AdamW: AdamW, torch.optim.Adam: Adam, torch.optim.SGD: SGD}
+_CHECKED: Dict[tuple, None] = {}
+_WITHOUT: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+
+
+def register_twin(cls: type, twin: type) -> None:
+    _TWINS[cls] = twin
+
+
+def sharded_class(cls: type) -> type:
+    """The class with the mixin in front (created once per class)."""
+    if issubclass(cls, ShardedOptimizerMixin):
+        return cls
+    twin = _TWINS.get(cls)
+    if twin is None:
+        twin = type(cls.__name__, (ShardedOptimizerMixin, cls), {"__module__": cls.__module__,
+                                                                  "__qualname__": cls.__qualname__})
+        _TWINS[cls] = twin
+    return twin
+
+
+def _unhooked_step(cls: type) -> Any:
+    fn = cls.step
+    while getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+def _refuse(cls: type, why: str) -> RuntimeError:
+    return RuntimeError(
+        f"zinf: {cls.__module__}.{cls.__name__} cannot step partitioned parameters: zinf steps each rank's "
+        f"flat 1/dp shard of a parameter, so the update must treat each element on its own, and {why}. "
+        "Such optimizers need whole-tensor statistics (a norm, a matrix shape, a factored moment). Use an "
+        "elementwise optimizer (AdamW, Adam, SGD, Adagrad, RMSprop, ...) for partitioned parameters.")
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Refuse, by behaviour, an optimizer whose update of a tensor is not elementwise (see module doc)."""
+    cls = type(optimizer)
+    hparams = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    key = (cls, repr(hparams), str(device))
+    if key in _CHECKED:
+        return
+    if cls.__name__ == "LBFGS" or isinstance(optimizer, torch.optim.LBFGS):
+        raise _refuse(cls, "it is a quasi-Newton method over all parameters at once (it needs a closure and "
+                           "the whole flattened gradient)")
+    step = _unhooked_step(cls)
+    gen = torch.Generator().manual_seed(0)
+    for hp in hparams:
+        # halves of very different scales: a per-tensor statistic (norm, trust ratio, even a clamped one)
+        # then differs between the halves and the whole, while an elementwise update cannot tell
+        w = torch.randn(4, 6, generator=gen)
+        w.view(-1)[12:] *= 1e-3
+        grads = [torch.randn(4, 6, generator=gen) for _ in range(3)]
+        for g in grads:
+            g.view(-1)[12:] *= 1e3
+
+        def run(parts: int) -> torch.Tensor:
+            params = [torch.nn.Parameter(c.clone().to(device)) for c in
+                      ([w] if parts == 1 else list(w.reshape(-1).chunk(parts)))]
+            probe = copy.copy(optimizer)
+            probe.state = defaultdict(dict)
+            probe.param_groups = [dict(hp, params=params)]
+            for g in grads:
+                pieces = [g] if parts == 1 else list(g.reshape(-1).chunk(parts))
+                for p, gp in zip(params, pieces):
+                    p.grad = gp.clone().to(device)
+                step(probe)
+            return torch.cat([p.detach().reshape(-1).cpu() for p in params])
+
+        try:
+            whole, halves = run(1), run(2)
+        except Exception as exc:
+            raise _refuse(cls, f"its step failed on flat shards ({type(exc).__name__}: {exc})") from exc
+        moved = (whole - w.reshape(-1)).abs().max()
+        diff = (whole - halves).abs().max()
+        if not torch.isfinite(diff) or diff > 1e-3 * moved:
+            raise _refuse(cls, f"stepping a 4x6 tensor and its two flat halves gave different updates (max "
+                               f"difference {float(diff):.3g} for updates of {float(moved):.3g})")
+    _CHECKED[key] = None
+
+
+def convert(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer`` the sharded twin of its class, in place (state, groups and hooks kept)."""
+    optimizer.__class__ = sharded_class(type(optimizer))
+    optimizer._patch_step_function()  # torch's hook wrapper around the twin's step: hooks fire once
+    hook = _average_replicated(optimizer)  # type: ignore[arg-type]
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and not hasattr(p, "_zinf_average_hook"):
+                p._zinf_average_hook = p.register_post_accumulate_grad_hook(hook)
+    for p, h in list(store.iter_handles([p for g in optimizer.param_groups for p in g["params"]])):
+        if p in optimizer.state:  # loaded before the first step: onto the optimizer's tier
+            optimizer._adopt_state(p, h, optimizer.state.pop(p))  # type: ignore[attr-defined]
+
+
+def pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Optional[tuple]:
+    """Global step pre-hook, for optimizers holding partitioned parameters only.
+
+    A plain optimizer is checked and converted on its first step. A step that comes through the twin's
+    own ``step`` swaps the shards in itself; one that comes through the *plain* class's ``step`` (an LR
+    scheduler made before the first step holds a reference to it, so do subclasses calling
+    ``super().step()``) is swapped here, closure first, and swapped back in ``post_step``.
+    """
+    if _WITHOUT.get(optimizer) == store.epoch:
+        return None
+    if optimizer.__dict__.get("_zinf_in_twin_step"):
+        return None  # the twin's step swaps the shards itself
+    if "_zinf_plan" in optimizer.__dict__:  # a nested super().step() inside a step swapped here
+        optimizer._zinf_plan_depth += 1  # type: ignore[attr-defined]
+        return None
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    first = next((h for _, h in store.iter_handles(params)), None)
+    if first is None:  # not ours: remembered until more parameters are partitioned anywhere
+        _WITHOUT[optimizer] = store.epoch
+        return None
+    if not isinstance(optimizer, ShardedOptimizerMixin):
+        check_elementwise(optimizer, first.placement.storage_device())
+        convert(optimizer)
+    result = None
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")
+    if closure is not None:  # before the swap: its backward must see the real parameters
+        with torch.enable_grad():
+            closure()
+        result = (args[:1], {k: v for k, v in kwargs.items() if k != "closure"})
+    optimizer._zinf_plan = optimizer._swap_in()  # type: ignore[attr-defined]
+    optimizer._zinf_plan_depth = 0  # type: ignore[attr-defined]
+    return result
+
+
+def post_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    if optimizer.__dict__.get("_zinf_in_twin_step") or "_zinf_plan" not in optimizer.__dict__:
+        return
+    if optimizer._zinf_plan_depth:  # type: ignore[attr-defined]
+        optimizer._zinf_plan_depth -= 1  # type: ignore[attr-defined]
+        return
+    plan = optimizer.__dict__.pop("_zinf_plan")
+    optimizer._swap_out(plan)  # type: ignore[attr-defined]
+    optimizer._finish(plan)  # type: ignore[attr-defined]
+
+
+def sharded(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Convert now (checked like a first step) instead of at the first step; returns the optimizer."""
+    first = next((h for _, h in store.iter_handles([p for g in optimizer.param_groups for p in g["params"]])),
+                 None)
+    check_elementwise(optimizer, first.placement.storage_device() if first else torch.device("cpu"))
+    if not isinstance(optimizer, ShardedOptimizerMixin):
+        convert(optimizer)
+    return optimizer
