@@ -197,7 +197,7 @@ _UNCOMPILED = textwrap.dedent("""
             self.scale = nn.Parameter(torch.ones(16))
 
         def forward(self, x):
-            return self.lin(x) * self.scale  # x * 0-byte storage: a segfault in eager without the guard
+            return self.lin(x * self.scale)  # x * 0-byte storage: a segfault in eager without the guard
 
     model = M()
     cmodel = torch.compile(model, backend="zinf", options={"compiler": "eager"})
