@@ -286,3 +286,81 @@ def test_one_fp64_parameter_in_an_fp32_model_is_refused_by_name():
     with pytest.raises(Exception, match=r"parameter 'scale' is torch.float64"):
         torch.compile(model, backend="zinf", options={"compiler": "eager"})(torch.randn(4, 16))
     assert all(zinf_runtime.handle_of(p) is None for p in model.parameters())
+
+
+# -- the fallback at dp = 2 (collective gathers and reduce-scatters in the same order on every rank) --
+
+_DP_WORKER = textwrap.dedent("""
+    import json, sys
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    import zinf_compile
+    from zinf_compile import backend
+    from zinf_compile.models import GPT, GPTConfig, make_batch
+
+    def boom(gm, example_inputs, *, ctx):
+        raise RuntimeError("deliberate failure in insert_fetch")
+
+    backend.JOINT_PASSES = [(n, boom if n == "insert_fetch" else f) for n, f in backend.JOINT_PASSES]
+    out, cfg, steps, global_batch = sys.argv[1], GPTConfig(**json.loads(sys.argv[2])), int(sys.argv[3]), 8
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    cmodel = torch.compile(model, backend="zinf", options={"compiler": "eager"})
+    opt = zinf_compile.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    per, losses = global_batch // world, []
+    for step in range(steps):
+        x, y = make_batch(cfg, global_batch, seed=step)
+        loss = cmodel(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    fallbacks = sum(r.counters["gather_all_fallback"] for r in zinf_compile.compile_records())
+    full = zinf_compile.full_state_dict(model, rank0_only=True)
+    if rank == 0:
+        torch.save({"losses": losses, "state": full, "fallbacks": fallbacks}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def test_fallback_at_dp2_matches_single_process_eager(tmp_path):
+    import json
+    import socket
+
+    from zinf_compile.models import GPT, GPTConfig, make_batch
+
+    cfg = dict(vocab=64, seq=16, layers=2, hidden=32, heads=4, init_std=None)
+    steps = 3
+    worker = tmp_path / "fallback_dp_worker.py"
+    worker.write_text(_DP_WORKER)
+    out = tmp_path / "result.pt"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(port), str(worker), str(out), json.dumps(cfg), str(steps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    res = torch.load(out)
+    assert res["fallbacks"] >= 1
+    c = GPTConfig(**cfg)
+    torch.manual_seed(0)
+    ref = GPT(c)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(steps):  # one process on the global batch: what dp = 2 must reproduce
+        x, y = make_batch(c, 8, seed=step)
+        loss = ref(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(res["state"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
