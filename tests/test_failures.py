@@ -184,6 +184,23 @@ def test_bad_setting_before_partitioning_still_raises():
     assert zinf_runtime.handle_of(model.a.weight) is None and model.a.weight.untyped_storage().nbytes() > 0
 
 
+def test_ordinary_models_compile_without_fallback():
+    """The fallback is for failures only: a GPT (tied embedding, LayerNorm, attention) and a model with
+    a graph break compile normally, without a fallback warning."""
+    from zinf_compile.models import GPT, GPTConfig, make_batch
+
+    cfg = GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4)
+    start = _next_record_id()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        torch.compile(GPT(cfg), backend="zinf", options={"compiler": "eager"})(*make_batch(cfg, 2, seed=0)).backward()
+        torch.compile(BreakModel(), backend="zinf", options={"compiler": "eager"})(torch.randn(4, 16)).sum().backward()
+    assert not _fallback_warnings(rec)
+    recs = [r for r in zinf_compile.compile_records() if r.id >= start]
+    assert len(recs) == 3 and all(r.counters["partitioned_inputs"] > 0 for r in recs)
+    assert all(r.counters["gather_all_fallback"] == 0 for r in recs)
+
+
 # -- 3: the uncompiled module after partitioning ---------------------------------------------------
 
 _UNCOMPILED = textwrap.dedent("""
@@ -226,6 +243,37 @@ def test_uncompiled_module_after_partitioning_raises_naming_the_fix():
         assert "compiled module" in line and "zinf_compile.gathered(model)" in line
     assert "M.scale" in lines[0] and "Linear.weight" in lines[1]
     assert lines[2] == "GATHERED (4, 16)"
+
+
+class _OwnParameter(nn.Parameter):
+    """A Parameter subclass keeps its class when partitioned (plain Parameters become
+    PartitionedParameter, and Dynamo's type guard then compiles a second instance anew)."""
+
+
+def test_guard_covers_another_instance_run_through_the_same_graph():
+    """Dynamo runs a second instance of the class through the graph compiled for the first, without
+    compiling (the runtime partitions its parameters on that call): its modules get the guard then."""
+    class Lin(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = _OwnParameter(torch.randn(16, 16))
+
+        def forward(self, x):
+            return F.linear(x, self.weight)  # uncompiled: torch's bounds check raises (no segfault here)
+
+    first, second = Lin(), Lin()
+    c1 = torch.compile(first, backend="zinf", options={"compiler": "eager"})
+    c2 = torch.compile(second, backend="zinf", options={"compiler": "eager"})
+    (x,) = mlp_batches(1)[0]
+    c1(x).sum().backward()
+    n = _next_record_id()
+    c2(x).sum().backward()
+    assert _next_record_id() == n  # the second instance compiled nothing: it ran the first one's graph
+    assert zinf_runtime.handle_of(second.weight) is not None
+    for model in (first, second):
+        with pytest.raises(fallback.UncompiledCallError, match=r"Lin\.weight.*compiled module"):
+            model(x)
+    c2(x).sum().backward()  # the compiled path still runs
 
 
 def _train_counts(model_fn, guard: bool, monkeypatch, compile_in_place: bool = False):

@@ -83,8 +83,13 @@ def zinf_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], option
     return compile_graph(gm, list(example_inputs), cfg)
 
 
-# dtypes whose values the store's fp32 master shards hold exactly (the store keeps fp32 masters)
-_STORABLE = (torch.float32, torch.float16, torch.bfloat16, torch.bool, torch.uint8, torch.int8, torch.int16)
+def _fp32_holds(dtype: torch.dtype) -> bool:
+    """Whether the store's fp32 master shards hold every value of ``dtype`` exactly."""
+    if dtype.is_complex:
+        return False
+    if dtype.is_floating_point:
+        return dtype.itemsize <= 4  # fp32, bf16, fp16, fp8
+    return dtype.itemsize <= 2  # bool, (u)int8, (u)int16: |v| < 2**24
 
 
 def _check_dtypes(gm: torch.fx.GraphModule, example_inputs: List[Any]) -> None:
@@ -95,7 +100,7 @@ def _check_dtypes(gm: torch.fx.GraphModule, example_inputs: List[Any]) -> None:
     """
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i, t in enumerate(example_inputs):
-        if isinstance(t, torch.nn.Parameter) and t.dtype not in _STORABLE and zinf_runtime.handle_of(t) is None:
+        if isinstance(t, torch.nn.Parameter) and not _fp32_holds(t.dtype) and zinf_runtime.handle_of(t) is None:
             name = _param_name(phs[i]) if i < len(phs) else f"input{i}"
             raise TypeError(
                 f"zinf: parameter {name!r} is {t.dtype}; zinf keeps fp32 master shards, which would silently "
@@ -152,14 +157,17 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: Conf
         mutated = fallback.mutated_param_inputs(gm, params)
         if mutated:
             idx, op = next(iter(mutated.items()))
-            return _fall_back(gm, params, cfg, device_type, record,
-                              f"it writes partitioned parameter {params[idx].name} in place ({op})", mutated)
-        return _compile_partitioned(gm, example_inputs, cfg, params, record, device_type)
+            compiled = _fall_back(gm, params, cfg, device_type, record,
+                                  f"it writes partitioned parameter {params[idx].name} in place ({op})", mutated)
+        else:
+            compiled = _compile_partitioned(gm, example_inputs, cfg, params, record, device_type)
     except Exception as exc:  # noqa: BLE001 - any failure after partitioning must leave the user whole
         if isinstance(exc, ValueError) and all(
                 zinf_runtime.handle_of(t) is None or id(t) in before for t in inputs_params):
             raise  # a bad setting, found before this compile partitioned anything: the user's to fix
-        return _fall_back(gm, params, cfg, device_type, record, _reason(exc), {})
+        log.debug("zinf: graph %s falls back", record.id, exc_info=True)
+        compiled = _fall_back(gm, params, cfg, device_type, record, _reason(exc), {})
+    return fallback.guard_other_instances(compiled, params, example_inputs)
 
 
 def _reason(exc: BaseException) -> str:
@@ -172,7 +180,6 @@ def _fall_back(gm: torch.fx.GraphModule, params: dict[int, ParamInfo], cfg: Conf
     msg = fallback.fallback_warning(fallback.graph_label(gm, record.id, params), reason)
     record.warnings.append(msg)
     record.counters["gather_all_fallback"] += 1
-    log.warning("%s", msg, exc_info=log.isEnabledFor(logging.DEBUG))
     warnings.warn(msg, stacklevel=2)
     return fallback.gather_all(gm, params, cfg.compute_dtype, device_type, write_back=list(mutated))
 

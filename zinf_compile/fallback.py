@@ -95,11 +95,19 @@ def mutated_param_inputs(gm: torch.fx.GraphModule, params: Dict[int, ParamInfo])
             seen.add(n)
             for u in n.users:
                 name = _op_name(u)
-                if name.endswith("_") and not name.endswith("__") and u.args and u.args[0] is n:
+                if u.args and u.args[0] is n and _writes_first_arg(u, name):
                     out.setdefault(idx, name)
                 elif name in _VIEW_OPS:
                     todo.append(u)
     return out
+
+
+def _writes_first_arg(node: torch.fx.Node, name: str) -> bool:
+    schema = getattr(node.target, "_schema", None)  # an aten/custom op overload: its schema says
+    if schema is not None and schema.arguments:
+        alias = schema.arguments[0].alias_info
+        return bool(alias is not None and alias.is_write)
+    return name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
 
 
 _VIEW_OPS = {"view", "reshape", "t", "transpose", "permute", "__getitem__", "getitem", "narrow", "select",
@@ -111,10 +119,10 @@ def _op_name(node: torch.fx.Node) -> str:
     if node.op == "call_method":
         return str(node.target)
     if node.op == "call_function":
-        name = getattr(node.target, "__name__", str(node.target))
-        return name.split(".")[-1]
-    if node.op == "call_module":
-        return ""
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None:
+            return schema.name.split("::")[-1]
+        return getattr(node.target, "__name__", str(node.target)).split(".")[-1]
     return ""
 
 
@@ -229,7 +237,45 @@ def graph_label(gm: torch.fx.GraphModule, record_id: int, params: Dict[int, Para
 
 
 def fallback_warning(graph_name: str, reason: str) -> str:
-    return (f"zinf: graph {graph_name} runs with the gather-all fallback: {reason}. It gathers every "
-            "partitioned parameter it takes for each call (full parameters resident, device_memory_budget "
-            "not enforced by tiling) and reduce-scatters their gradients into zinf's shards; numerics are "
-            "eager PyTorch's. Please report this graph (zinf_compile.last_graphs()).")
+    return (f"zinf: graph {graph_name} runs with the gather-all fallback: {reason}. Each call gathers every "
+            "partitioned parameter the graph takes (held at once, not counted against device_memory_budget, "
+            "no tiling), runs the graph eagerly and reduce-scatters the gradients into zinf's shards: eager "
+            "PyTorch's numbers, slower and with more memory. Please report it (traceback with "
+            "TORCH_LOGS=+zinf_compile; graphs in zinf_compile.last_graphs()).")
+
+
+def guard_other_instances(compiled: Callable, params: Dict[int, ParamInfo], example_inputs: Sequence[Any]) -> Callable:
+    """Give the uncompiled-call guard to other instances of the model that Dynamo runs through this graph.
+
+    Dynamo reuses a compiled graph for every instance of a model class without compiling again, so
+    the guard installed at compile time covers only the instance compiled. The first call with
+    another instance's parameters installs it for that instance (found on the call stack, as at
+    compile time); later calls cost one identity check.
+    """
+    if not params:
+        return compiled
+    first = min(params)
+    template = example_inputs[first]
+    seen: Set[int] = set()
+
+    def call(*args: Any) -> Any:
+        if len(args) == 1 and isinstance(args[0], list):  # boxed: graph inputs are never lists
+            given = args[0]
+        else:
+            given = args
+        p = given[first]
+        if p is not template:
+            uid = getattr(p, zinf_runtime.store.UID_ATTR, None)
+            if uid is None or uid not in seen:
+                mine = [given[i] for i in params if isinstance(given[i], torch.nn.Parameter)]  # a boxed call
+                out = compiled(*args)  # clears its list; partitions the new instance's parameters (resolve)
+                install_call_guards(mine)
+                uid = getattr(p, zinf_runtime.store.UID_ATTR, None)
+                if uid is not None:
+                    seen.add(uid)
+                return out
+        return compiled(*args)
+
+    if getattr(compiled, "_boxed_call", False):
+        call._boxed_call = True  # type: ignore[attr-defined]
+    return call
