@@ -42,7 +42,8 @@ from zinf_runtime.store import ParamHandle
 
 from .pipeline import ParamInfo
 
-__all__ = ["gather_all", "mutated_param_inputs", "install_call_guards", "UncompiledCallError"]
+__all__ = ["gather_all", "mutated_param_inputs", "install_call_guards", "guard_other_instances",
+           "UncompiledCallError"]
 
 
 class _Gathered(torch.autograd.Function):
