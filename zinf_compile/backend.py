@@ -204,7 +204,7 @@ def _dump_plan(record: Any) -> None:
 
     stages = record.final_modules
     if not ("inference" in stages or ("forward" in stages and "backward" in stages)):
-        return  # the backward is compiled later (lazily): written then
+        return  # called again once the backward compiler ran (it runs inside the same compile)
     try:
         build_plan([record]).save(record.dump_folder())
     except Exception as exc:  # a report must never break a compile
