@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import warnings
-import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 import torch
@@ -184,9 +182,6 @@ def _uncompiled_call_guard(module: torch.nn.Module, args: Any) -> None:
             )
 
 
-_guarded: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-
-
 def _candidate_roots(frame: Any) -> List[torch.nn.Module]:
     """``nn.Module`` objects held by the frames on the call stack (the module being compiled and
     whatever the user's code holds it as). Dynamo does not hand the backend the module it traces."""
@@ -218,11 +213,10 @@ def install_call_guards(params: Sequence[torch.nn.Parameter]) -> int:
             if id(mod) in visited:
                 continue
             visited.add(id(mod))
-            if mod in _guarded:
-                continue
+            if any(h is _uncompiled_call_guard for h in mod._forward_pre_hooks.values()):
+                continue  # guarded already (or a deep copy of a guarded module)
             if any(p is not None and id(p) in wanted for p in mod._parameters.values()):
                 mod.register_forward_pre_hook(_uncompiled_call_guard)
-                _guarded.add(mod)
                 added += 1
     return added
 
