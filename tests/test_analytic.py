@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from zinf_compile.analytic import DoesNotFitError, Hardware, TransformerSpec, analyze
+from zinf_compile.analytic import DoesNotFitError, Hardware, TransformerSpec, analyze, check_fits
 from zinf_compile.cli import build_parser, main, parse_quantity
 
 GiB = 1 << 30
@@ -16,7 +16,7 @@ MiB = 1 << 20
 TiB = 1 << 40
 
 KEYS = {
-    "params", "model_state_bytes", "working_memory_bytes", "activation_working_memory_bytes",
+    "fits", "params", "model_state_bytes", "working_memory_bytes", "activation_working_memory_bytes",
     "activation_checkpoint_bytes", "flops_per_iteration", "ait_param_grad", "ait_optimizer",
     "ait_activation_checkpoint", "efficiency", "placement",
 }
@@ -49,7 +49,9 @@ def test_small_model_hand_computed() -> None:
         "optimizer": pytest.approx(5.12 / 75.12),
         "activation_checkpoint": pytest.approx(245.76 / 315.76),
     }
-    assert set(r["placement"]) == {"params", "optimizer", "activation_checkpoints", "tiles", "reason"}
+    assert r["fits"] is True and r["placement"]["recommendation"].startswith("fits: ")
+    assert set(r["placement"]) == {"params", "optimizer", "activation_checkpoints", "tiles", "reason",
+                                   "recommendation"}
     assert set(r["placement"]["reason"]) == {"params", "optimizer", "activation_checkpoints", "tiles"}
 
 
@@ -105,10 +107,17 @@ def test_placement_moves_off_device_as_memory_shrinks() -> None:
     assert where(256 * MiB) == ("device", "cpu", "device")        # 176 MiB left: evict optimizer
     assert where(128 * MiB) == ("cpu", "cpu", "device")           # 48 MiB left: only checkpoints stay
     assert where(128 * MiB, cpu=200 * MiB) == ("cpu", "nvme", "device")  # 384 MiB optimizer spills
-    with pytest.raises(DoesNotFitError, match="does not fit|--nvme"):
-        where(128 * MiB, cpu=0, nvme=0)
+    # no room anywhere: checkpoints still stay on the device, the model states are not placed
+    assert where(128 * MiB, cpu=0, nvme=0) == (None, None, "device")
+    r = analyze(SMALL, small_hw(128 * MiB, cpu=0, nvme=0))
+    assert r["fits"] is False and "--nvme" in r["placement"]["recommendation"]
+    with pytest.raises(DoesNotFitError, match="--nvme"):
+        check_fits(r)
+    r = analyze(SMALL, small_hw(64 * MiB))  # activation working memory alone fills the device
+    assert r["fits"] is False and "--batch" in r["placement"]["recommendation"]
+    assert where(64 * MiB) == (None, None, None)
     with pytest.raises(DoesNotFitError, match="--batch"):
-        where(64 * MiB)  # activation working memory alone fills the device
+        check_fits(r)
 
 
 def test_data_parallel_partitioning_keeps_states_on_device() -> None:
@@ -187,6 +196,44 @@ def test_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*PLAN, "--cpu-memory", "0", "--nvme", "0", "--device-memory", "128MiB"]) == 1
     assert "does not fit" in capsys.readouterr().err
     assert main([]) == 2  # a subcommand is required
+
+
+# does not fit: no CPU memory, no NVMe; 128 MiB leave 48 MiB for 480 MiB of model states
+NOFIT = [*PLAN, "--cpu-memory", "0", "--nvme", "0", "--device-memory", "128MiB"]
+NOFIT_HW = small_hw(128 * MiB, cpu=0, nvme=0)
+
+
+def test_cli_table_when_model_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(NOFIT) == 1  # the exit status still says "does not fit"
+    captured = capsys.readouterr()
+    want = analyze(SMALL, NOFIT_HW)
+    out = captured.out
+    for label in ("parameters", "model states", "working memory", "activation working memory",
+                  "activation checkpoints", "FLOPs per iteration", "AIT param/grad", "AIT optimizer",
+                  "AIT activation checkpoint", "place params", "place optimizer", "recommended tiles", "why:"):
+        assert label in out, label
+    assert f"({want['params']:,})" in out and "480.00 MiB" in out and "412 GFLOPs" in out
+    eff = want["efficiency"]
+    assert f"{eff['param_grad']:.1%}" == "22.6%"  # 2048 * 10 GB/s / (2048 * 10 GB/s + 70 TFLOP/s)
+    assert f"efficiency {eff['param_grad']:.1%}" in out
+    assert f"efficiency {eff['optimizer']:.1%}" in out and f"efficiency {eff['activation_checkpoint']:.1%}" in out
+    assert [line.split() for line in out.splitlines() if line.strip().startswith("fits ")] == [["fits", "NO"]]
+    assert f"recommendation: {want['placement']['recommendation']}" in out
+    assert "not placed" in out and "--nvme" in want["placement"]["recommendation"]
+    assert "does not fit" in captured.err and "--nvme" in captured.err
+
+
+def test_cli_json_when_model_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*NOFIT, "--json"]) == 1
+    captured = capsys.readouterr()
+    got = json.loads(captured.out)
+    assert got == analyze(SMALL, NOFIT_HW)
+    assert set(got) == KEYS and got["fits"] is False
+    assert got["params"] == 25_165_824 and got["model_state_bytes"] == 503_316_480  # every figure still there
+    assert got["placement"]["recommendation"].startswith("does not fit: ")
+    assert "--nvme" in got["placement"]["recommendation"]
+    assert got["placement"]["activation_checkpoints"] == "device"
+    assert got["placement"]["params"] is None and got["placement"]["optimizer"] is None
 
 
 def test_parser_has_plan_subcommand() -> None:

@@ -45,6 +45,7 @@ def test_inductor_patches_scope_the_joint_pass_and_cache_setting():
     before = (ic.joint_custom_pre_pass, fc.enable_autograd_cache)
     with tc.inductor_patches(p):
         assert ic.joint_custom_pre_pass is p and fc.enable_autograd_cache is False
+        assert fc.force_non_lazy_backward_lowering is True
         assert p.uuid() == "zinf-test"
         g = torch.fx.Graph()
         p(g)
@@ -68,3 +69,35 @@ def test_inductor_compile_fx_calls_inner_compile_per_stage():
     with fc.patch(enable_autograd_cache=False):  # a cache hit would skip inner_compile
         torch.compile(lin, backend=backend)(torch.randn(2, 3)).sum().backward()
     assert stages == ["forward", "backward"]
+
+
+def test_eager_patches_compile_the_backward_with_the_forward():
+    """``force_non_lazy_backward_lowering``: the backward compiler runs inside the compile (where zinf
+    can still fall back), not at the first ``backward()``; without the patch AOTAutograd defers it."""
+    import torch._functorch.config as fc
+
+    def run(patched: bool) -> list:
+        seen = []
+
+        def compiler(name):
+            def c(gm, ex):
+                seen.append(name)
+                return tc.make_boxed(gm)
+            return c
+
+        backend = tc.aot_autograd(fw_compiler=compiler("fw"), bw_compiler=compiler("bw"))
+        torch._dynamo.reset()
+        f = torch.compile(torch.nn.Linear(3, 2), backend=backend)
+        if patched:
+            with tc.eager_patches():
+                assert fc.force_non_lazy_backward_lowering is True
+                out = f(torch.randn(4, 3))
+        else:
+            out = f(torch.randn(4, 3))
+        before_backward = list(seen)
+        out.sum().backward()
+        return before_backward
+
+    assert run(patched=False) == ["fw"]
+    assert run(patched=True) == ["fw", "bw"]
+    assert fc.force_non_lazy_backward_lowering is False  # scoped to the compile

@@ -65,22 +65,29 @@ def inductor_patches(joint_pre_pass: Any) -> Iterator[None]:
 
     The AOTAutograd cache would replay compiled graphs without running our passes (which register
     per-compile state), so it is off for zinf compiles; Inductor's own FX-graph cache stays on (it
-    keys on the final graph, zinf nodes and their constant uids included).
+    keys on the final graph, zinf nodes and their constant uids included). The backward is
+    compiled with the forward (see ``eager_patches``).
     """
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
     with inductor_config.patch(joint_custom_pre_pass=joint_pre_pass), functorch_config.patch(
-        enable_autograd_cache=False
+        enable_autograd_cache=False, force_non_lazy_backward_lowering=True
     ):
         yield
 
 
 @contextlib.contextmanager
 def eager_patches() -> Iterator[None]:
+    """AOTAutograd settings of a zinf compile with the eager compiler.
+
+    ``force_non_lazy_backward_lowering``: AOTAutograd normally compiles the backward at the first
+    ``loss.backward()``; zinf compiles it with the forward, so a backward its passes cannot rewrite
+    fails inside the backend, which can still fall back, rather than half-way through a step.
+    """
     import torch._functorch.config as functorch_config
 
-    with functorch_config.patch(enable_autograd_cache=False):
+    with functorch_config.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=True):
         yield
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "Hardware",
     "DoesNotFitError",
     "analyze",
+    "check_fits",
     "human_bytes",
     "PARAM_GRAD_BYTES_PER_PARAM",
     "OPTIMIZER_BYTES_PER_PARAM",
@@ -78,7 +79,7 @@ _EXAMPLES = {"device_memory_bytes": "32GiB", "cpu_memory_bytes": "1.5TiB", "nvme
 
 
 class DoesNotFitError(ValueError):
-    """The configuration cannot be placed in device, CPU and NVMe memory combined."""
+    """The configuration cannot be placed in device, CPU and NVMe memory combined (``check_fits``)."""
 
 
 def _check_positive(obj: object, allow_zero: tuple[str, ...] = ()) -> None:
@@ -172,9 +173,10 @@ def _efficiency(ait: float, bandwidth: float, peak: float) -> float:
     return ait * bandwidth / (ait * bandwidth + peak)
 
 
-def _recommend_tiles(spec: TransformerSpec, hw: Hardware) -> int:
+def _recommend_tiles(spec: TransformerSpec, hw: Hardware) -> tuple[int, str | None]:
     """Smallest power of two >= spec.tiles that keeps the largest linear's
-    working memory within WORKING_MEMORY_FRACTION of device memory."""
+    working memory within WORKING_MEMORY_FRACTION of device memory, and None;
+    or the largest tile count tried and why even that does not fit."""
     budget = hw.device_memory_bytes * WORKING_MEMORY_FRACTION
     full = 16 * spec.hidden * spec.hidden
     tiles = 1
@@ -183,12 +185,30 @@ def _recommend_tiles(spec: TransformerSpec, hw: Hardware) -> int:
     # A tile needs at least one output column of the hd -> 4hd linear.
     while _ceil_div(full, tiles) > budget:
         if tiles * 2 > 4 * spec.hidden:
-            raise DoesNotFitError(
+            return tiles, (
                 f"the largest linear ({human_bytes(full)} of fp16 param+grad) does not fit in "
                 f"{WORKING_MEMORY_FRACTION:.3g} of --device-memory even at {tiles} tiles; "
                 "use a device with more memory or a smaller --hidden")
         tiles *= 2
-    return tiles
+    return tiles, None
+
+
+_NAMES = {"params": "params+grads (fp16)", "optimizer": "optimizer states (fp32)",
+          "activation_checkpoints": "activation checkpoints"}
+_KEYS = ("params", "optimizer", "activation_checkpoints")
+
+
+def _not_fitting(tiles: int | None, work_reason: str, why: str, reason: dict[str, str],
+                 placement: dict[str, str | None]) -> dict[str, Any]:
+    """The placement of a configuration that does not fit: what could be placed, ``None`` for the
+    rest, and the reason in ``recommendation`` (every other figure of the plan is still computed)."""
+    for k in _KEYS:
+        placement.setdefault(k, None)
+        reason.setdefault(k, f"{_NAMES[k]}: not placed, {why}")
+    reason["tiles"] = work_reason
+    return {**{k: placement[k] for k in _KEYS}, "tiles": tiles,
+            "reason": {k: reason[k] for k in _KEYS + ("tiles",)},
+            "fits": False, "recommendation": f"does not fit: {why}"}
 
 
 def _place(spec: TransformerSpec, hw: Hardware, params: int, act_work: int,
@@ -209,23 +229,29 @@ def _place(spec: TransformerSpec, hw: Hardware, params: int, act_work: int,
     The rest take the CPU tier in order of increasing arithmetic intensity (the
     most bandwidth-hungry first), spilling to NVMe when the dp group's aggregate
     no longer fits in CPU memory.
+
+    A configuration that cannot be placed is reported, not raised: ``fits`` is
+    False, ``recommendation`` says why, and the items that could not be placed
+    are ``None``.
     """
-    tiles = _recommend_tiles(spec, hw)
+    tiles, tiles_problem = _recommend_tiles(spec, hw)
     work = _ceil_div(16 * spec.hidden * spec.hidden, tiles)
+    work_reason = (f"{tiles} tile(s) keep the largest linear's working memory at {human_bytes(work)}, "
+                   f"within {WORKING_MEMORY_FRACTION:.3g} of device memory")
+    if tiles_problem is not None:
+        return _not_fitting(None, tiles_problem, tiles_problem, {}, {})
     budget = hw.device_memory_bytes - act_work - work
     if budget < 0:
-        raise DoesNotFitError(
-            f"activation working memory ({human_bytes(act_work)}) plus tiled working memory "
-            f"({human_bytes(work)}) exceeds --device-memory ({human_bytes(hw.device_memory_bytes)}); "
-            "reduce --batch, --seq or --ckpt-interval")
+        why = (f"activation working memory ({human_bytes(act_work)}) plus tiled working memory "
+               f"({human_bytes(work)}) exceeds --device-memory ({human_bytes(hw.device_memory_bytes)}); "
+               "reduce --batch, --seq or --ckpt-interval")
+        return _not_fitting(tiles, work_reason, why, {}, {})
 
     per_device = {
         "optimizer": _ceil_div(OPTIMIZER_BYTES_PER_PARAM * params, spec.dp),
         "activation_checkpoints": ckpt_bytes,
         "params": _ceil_div(PARAM_GRAD_BYTES_PER_PARAM * params, spec.dp),
     }
-    names = {"params": "params+grads (fp16)", "optimizer": "optimizer states (fp32)",
-             "activation_checkpoints": "activation checkpoints"}
     on_device = dict(per_device)
     evicted: list[str] = []
     for item in ("optimizer", "activation_checkpoints", "params"):
@@ -238,17 +264,18 @@ def _place(spec: TransformerSpec, hw: Hardware, params: int, act_work: int,
             on_device[item] = per_device[item]
             evicted.remove(item)
 
-    placement: dict[str, Any] = {}
+    placement: dict[str, str | None] = {}
     reason: dict[str, str] = {}
     used = sum(on_device.values())
     for item in on_device:
         placement[item] = "device"
-        reason[item] = (f"{names[item]}: {human_bytes(per_device[item])} per device stays on the device "
+        reason[item] = (f"{_NAMES[item]}: {human_bytes(per_device[item])} per device stays on the device "
                         f"({human_bytes(used)} of the {human_bytes(budget)} left after working memory)")
     free = {"cpu": hw.cpu_memory_bytes, "nvme": hw.nvme_bytes}
+    problem = None
     for item in sorted(evicted, key=lambda k: aits[k]):
         total = per_device[item] * spec.dp
-        what = (f"{names[item]}: {human_bytes(per_device[item])} per device does not fit in the "
+        what = (f"{_NAMES[item]}: {human_bytes(per_device[item])} per device does not fit in the "
                 f"{human_bytes(budget)} left on the device")
         if total <= free["cpu"]:
             placement[item] = "cpu"
@@ -258,23 +285,29 @@ def _place(spec: TransformerSpec, hw: Hardware, params: int, act_work: int,
             reason[item] = (f"{what}, and CPU memory has only {human_bytes(free['cpu'])} free, "
                             f"so the group's {human_bytes(total)} go to NVMe")
         else:
-            raise DoesNotFitError(
-                f"{names[item]} need {human_bytes(total)} across dp={spec.dp} devices but only "
-                f"{human_bytes(free['cpu'])} CPU memory and {human_bytes(free['nvme'])} NVMe remain; "
-                "raise --cpu-memory/--nvme/--dp or shrink the model")
-        free[placement[item]] -= total
-    reason["tiles"] = (f"{tiles} tile(s) keep the largest linear's working memory at {human_bytes(work)}, "
-                       f"within {WORKING_MEMORY_FRACTION:.3g} of device memory")
-    keys = ("params", "optimizer", "activation_checkpoints")
-    return {**{k: placement[k] for k in keys}, "tiles": tiles,
-            "reason": {k: reason[k] for k in keys + ("tiles",)}}
+            why = (f"{_NAMES[item]} need {human_bytes(total)} across dp={spec.dp} devices but only "
+                   f"{human_bytes(free['cpu'])} CPU memory and {human_bytes(free['nvme'])} NVMe remain; "
+                   "raise --cpu-memory/--nvme/--dp or shrink the model")
+            reason[item] = f"{what}, and {why}"
+            problem = problem or why
+            continue
+        free[placement[item]] -= total  # type: ignore[index]
+    if problem is not None:
+        return _not_fitting(tiles, work_reason, problem, reason, placement)
+    reason["tiles"] = work_reason
+    summary = ", ".join(f"{_NAMES[k]} on {placement[k]}" for k in _KEYS)
+    return {**{k: placement[k] for k in _KEYS}, "tiles": tiles,
+            "reason": {k: reason[k] for k in _KEYS + ("tiles",)},
+            "fits": True, "recommendation": f"fits: {summary}, largest linear in {tiles} tile(s)"}
 
 
 def analyze(spec: TransformerSpec, hw: Hardware | None = None) -> dict[str, Any]:
     """Evaluate the paper's memory, arithmetic-intensity and placement model.
 
-    Byte counts are Python ints; efficiencies are floats in (0, 1).  Raises
-    DoesNotFitError (a ValueError) when no placement fits the hardware.
+    Byte counts are Python ints; efficiencies are floats in (0, 1).  Every
+    figure is computed whether or not the model fits; ``fits`` says whether a
+    placement exists and ``placement["recommendation"]`` gives it, or the reason
+    it does not fit (``check_fits`` turns that into a DoesNotFitError).
     """
     hw = Hardware() if hw is None else hw
     nl, hd, bsz, seq, ci = spec.layers, spec.hidden, spec.batch, spec.seq, spec.ckpt_interval
@@ -289,7 +322,9 @@ def analyze(spec: TransformerSpec, hw: Hardware | None = None) -> dict[str, Any]
     bw, peak = hw.slow_bandwidth_bytes_per_s, hw.peak_flops_per_s
     aits_by_item = {"params": ait["param_grad"], "optimizer": ait["optimizer"],
                     "activation_checkpoints": ait["activation_checkpoint"]}
+    placement = _place(spec, hw, params, act_work, ckpt_bytes, aits_by_item)
     return {
+        "fits": placement.pop("fits"),
         "params": params,
         "model_state_bytes": MODEL_STATE_BYTES_PER_PARAM * 12 * nl * hd * hd,
         "working_memory_bytes": _ceil_div(16 * hd * hd, spec.tiles),
@@ -300,5 +335,12 @@ def analyze(spec: TransformerSpec, hw: Hardware | None = None) -> dict[str, Any]
         "ait_optimizer": ait["optimizer"],
         "ait_activation_checkpoint": ait["activation_checkpoint"],
         "efficiency": {k: _efficiency(v, bw, peak) for k, v in ait.items()},
-        "placement": _place(spec, hw, params, act_work, ckpt_bytes, aits_by_item),
+        "placement": placement,
     }
+
+
+def check_fits(result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` of ``analyze`` if the model fits; else raise DoesNotFitError with the reason."""
+    if not result["fits"]:
+        raise DoesNotFitError(result["placement"]["recommendation"].removeprefix("does not fit: "))
+    return result

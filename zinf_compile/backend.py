@@ -16,7 +16,9 @@ Every intermediate graph is kept in a ``CompileRecord`` (``zinf_compile.last_gra
 
 from __future__ import annotations
 
+import logging
 import re
+import sys
 import warnings
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -25,7 +27,7 @@ import torch.fx
 
 import zinf_runtime
 
-from . import _torch_compat, rendezvous
+from . import _torch_compat, fallback, rendezvous
 from .config import Config
 from .passes.autocast import autocast_pass
 from .passes.insert_fetch import insert_fetch_pass
@@ -36,6 +38,8 @@ from .passes.plan_tiling import plan_tiling_pass
 from .passes.sink_fetch import sink_fetch_pass
 from .passes.tile_matmul import tile_matmul_pass
 from .pipeline import CompileContext, Pass, ParamInfo, new_record, run_passes
+
+log = logging.getLogger("zinf_compile")
 
 DYNAMO_PASSES: List[Tuple[str, Pass]] = [
     ("autocast", autocast_pass),
@@ -83,6 +87,33 @@ def zinf_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], option
     return compile_graph(gm, list(example_inputs), cfg)
 
 
+def _fp32_holds(dtype: torch.dtype) -> bool:
+    """Whether the store's fp32 master shards hold every value of ``dtype`` exactly."""
+    if dtype.is_complex:
+        return False
+    if dtype.is_floating_point:
+        return dtype.itemsize <= 4  # fp32, bf16, fp16, fp8
+    return dtype.itemsize <= 2  # bool, (u)int8, (u)int16: |v| < 2**24
+
+
+def _check_dtypes(gm: torch.fx.GraphModule, example_inputs: List[Any]) -> None:
+    """Refuse, before anything is partitioned, parameters that fp32 master shards would round.
+
+    fp64 (and int32/int64) parameters would silently lose precision in fp32 masters and complex
+    ones their imaginary part; the user gets an error naming the parameter and the fix instead.
+    """
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, t in enumerate(example_inputs):
+        if isinstance(t, torch.nn.Parameter) and not _fp32_holds(t.dtype) and zinf_runtime.handle_of(t) is None:
+            name = _param_name(phs[i]) if i < len(phs) else f"input{i}"
+            raise TypeError(
+                f"zinf: parameter {name!r} is {t.dtype}; zinf keeps fp32 master shards, which would silently "
+                f"lose {'the imaginary part' if t.dtype.is_complex else 'precision'}. Train it in float32 "
+                "(model.float(), or bf16/fp16 via options={'mixed_precision': ...}), or keep it out of the "
+                "compiled model."
+            )
+
+
 def _partition_inputs(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: Config) -> dict[int, ParamInfo]:
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     found = [(i, t) for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter)]
@@ -114,12 +145,59 @@ def _partition_inputs(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: 
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: Config) -> Callable:
-    """Partition, trace, rewrite and compile one Dynamo graph."""
+    """Partition, trace, rewrite and compile one Dynamo graph.
+
+    Validation errors (bad devices or dtypes) raise before anything is partitioned. Once the
+    parameters are partitioned, a failure anywhere later (a pass, AOTAutograd, Inductor) or a graph
+    the rewrite does not support gives the gather-all fallback with a warning, never an error that
+    leaves 0-byte parameters behind.
+    """
     record = new_record(_graph_name(gm), cfg)
-    params = _partition_inputs(gm, example_inputs, cfg)
-    device_type = next((example_inputs[i].device.type for i in params), "cpu")
+    _check_dtypes(gm, example_inputs)
+    inputs_params = [t for t in example_inputs if isinstance(t, torch.nn.Parameter)]
+    before = {id(t) for t in inputs_params if zinf_runtime.handle_of(t) is not None}
+    device_type = inputs_params[0].device.type if inputs_params else "cpu"
+    params: dict[int, ParamInfo] = {}
+    try:
+        params = _partition_inputs(gm, example_inputs, cfg)
+        record.counters["partitioned_inputs"] = len(params)
+        fallback.install_call_guards([example_inputs[i] for i in params])
+        mutated = fallback.mutated_param_inputs(gm, params)
+        if mutated:
+            idx, op = next(iter(mutated.items()))
+            compiled = _fall_back(gm, params, cfg, device_type, record,
+                                  f"it writes partitioned parameter {params[idx].name} in place ({op})", mutated)
+        else:
+            compiled = _compile_partitioned(gm, example_inputs, cfg, params, record, device_type)
+    except Exception as exc:  # noqa: BLE001 - any failure after partitioning must leave the user whole
+        if isinstance(exc, ValueError) and all(
+                zinf_runtime.handle_of(t) is None or id(t) in before for t in inputs_params):
+            raise  # a bad setting, found before this compile partitioned anything: the user's to fix
+        log.debug("zinf: graph %s falls back", record.id, exc_info=True)
+        compiled = _fall_back(gm, params, cfg, device_type, record, _reason(exc), {})
+    # ranks must agree on the graph and on how it runs (rewritten or gather-all: other collectives)
+    how = "gather-all fallback" if record.counters.get("gather_all_fallback") else "rewritten"
+    compiled = rendezvous.guard(compiled, params, cfg.resolved_group(), f"{record.name} ({how})")
+    return fallback.guard_other_instances(compiled, params, example_inputs)
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"compiling it failed with {type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _fall_back(gm: torch.fx.GraphModule, params: dict[int, ParamInfo], cfg: Config, device_type: str,
+               record: Any, reason: str, mutated: dict[int, str]) -> Callable:
+    msg = fallback.fallback_warning(fallback.graph_label(gm, record.id, params), reason)
+    record.warnings.append(msg)
+    record.counters["gather_all_fallback"] += 1
+    warnings.warn(msg, stacklevel=2)
+    return fallback.gather_all(gm, params, cfg.compute_dtype, device_type, write_back=list(mutated))
+
+
+def _compile_partitioned(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: Config,
+                         params: dict[int, ParamInfo], record: Any, device_type: str) -> Callable:
     ctx = CompileContext(cfg, params, record, device_type)
-    record.counters["partitioned_inputs"] = len(params)
     zinf_runtime.accounting.set_device_memory_budget(cfg.device_memory_budget)
     gm = _torch_compat.detach_dynamo_graph(gm)
     gm = run_passes(gm, example_inputs, DYNAMO_PASSES, ctx=ctx, stage="dynamo")
@@ -128,8 +206,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: Conf
     compiled = (_compile_eager if cfg.compiler == "eager" else _compile_inductor)(gm, inputs, ctx)
     if record.dump_folder() is not None:
         _dump_plan(record)
-    compiled = _with_extra_inputs(compiled, ctx.extra_inputs, ctx.extra_specs, example_inputs)
-    return rendezvous.guard(compiled, ctx, record.name)
+    return _with_extra_inputs(compiled, ctx.extra_inputs, ctx.extra_specs, example_inputs)
 
 
 def _dump_plan(record: Any) -> None:
@@ -138,7 +215,7 @@ def _dump_plan(record: Any) -> None:
 
     stages = record.final_modules
     if not ("inference" in stages or ("forward" in stages and "backward" in stages)):
-        return  # the backward is compiled later (lazily): written then
+        return  # called again once the backward compiler ran (it runs inside the same compile)
     try:
         build_plan([record]).save(record.dump_folder())
     except Exception as exc:  # a report must never break a compile

@@ -135,6 +135,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(result, sort_keys=True, indent=2))
     else:
         print(_format_plan(spec, hw, result))
+    if not result["fits"]:  # every figure is printed above; the exit status still says it does not fit
+        print(f"zinf plan: {result['placement']['recommendation']}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -159,15 +162,18 @@ def _format_plan(spec: TransformerSpec, hw: Hardware, r: dict[str, Any]) -> str:
         ("AIT activation checkpoint",
          f"{r['ait_activation_checkpoint']:,}  -> efficiency {eff['activation_checkpoint']:.1%}"),
     ]
-    rows += [(f"place {k.replace('_', ' ')}", str(pl[k])) for k in ("params", "optimizer", "activation_checkpoints")]
-    rows.append(("recommended tiles", str(pl["tiles"])))
+    rows += [(f"place {k.replace('_', ' ')}", "not placed" if pl[k] is None else str(pl[k]))
+             for k in ("params", "optimizer", "activation_checkpoints")]
+    rows.append(("recommended tiles", "none fits" if pl["tiles"] is None else str(pl["tiles"])))
+    rows.append(("fits", "yes" if r["fits"] else "NO"))
     width = max(len(k) for k, _ in rows)
     lines = [f"ZeRO-Infinity plan: nl={spec.layers} hd={spec.hidden} heads={spec.heads} seq={spec.seq} "
              f"bsz={spec.batch} ci={spec.ckpt_interval} dp={spec.dp}",
              f"hardware: {_human_bytes(hw.device_memory_bytes)}/device, {_human_bytes(hw.cpu_memory_bytes)} CPU, "
              f"{_human_bytes(hw.nvme_bytes)} NVMe, {bw} and {peak} per device", ""]
     lines += [f"  {k:<{width}}  {v}" for k, v in rows]
-    lines += ["", "why:"] + [f"  - {text}" for text in pl["reason"].values()]
+    lines += ["", f"recommendation: {pl['recommendation']}", "", "why:"]
+    lines += [f"  - {text}" for text in pl["reason"].values()]
     return "\n".join(lines)
 
 
@@ -208,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (2 for bad input, 1 when the model does not fit)."""
+    """Run the CLI; returns the exit status (2 for bad input, 1 when the model does not fit: the plan
+    is printed all the same, with ``fits: false`` and the reason in its recommendation)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -14,13 +14,13 @@ tiny all-reduce, that every rank is about to run the same graph in the same mode
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Dict, Sequence
 
 import torch
 
 from zinf_runtime import comm
 
-from .pipeline import CompileContext
+from .pipeline import ParamInfo
 
 
 def fingerprint(name: str, params: Sequence[tuple[str, tuple]], grad_enabled: bool) -> int:
@@ -29,12 +29,11 @@ def fingerprint(name: str, params: Sequence[tuple[str, tuple]], grad_enabled: bo
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
 
 
-def guard(compiled: Callable, ctx: CompileContext, name: str) -> Callable:
+def guard(compiled: Callable, params: Dict[int, ParamInfo], group: Any, name: str) -> Callable:
     """Wrap ``compiled`` with the rendezvous when its parameters are sharded over dp > 1 ranks."""
-    infos = sorted(ctx.params.values(), key=lambda i: i.index)
+    infos = sorted(params.values(), key=lambda i: i.index)
     if not infos or max(i.world for i in infos) == 1:
         return compiled
-    group = ctx.cfg.resolved_group()
     params = [(i.name, i.shape) for i in infos]
     prints = {mode: fingerprint(name, params, mode) for mode in (False, True)}
 
