@@ -1,26 +1,45 @@
 # Two commands on a fresh machine, each doing its own set-up:
 #   make demo   -- a GPT-style model trains a few steps under backend="zinf" and prints losses + memory
-#   make test   -- the test suite (what .ci/run calls)
+#   make test   -- the test suite, then its parity tests again on ATen's portable kernels (what .ci/run calls)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-all test-parity-default bench clean
 
 setup: $(VENV)/.zinf-setup
 
 # torch is pinned: an unpinned torch pulls a multi-GB CUDA build; 2.13.0 resolves to the CPU build here.
-$(VENV)/.zinf-setup: pyproject.toml
+# transformers/accelerate: the Hugging Face Trainer test.
+$(VENV)/.zinf-setup: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q torch==2.13.0 triton==3.9.0 numpy pytest matplotlib
+	$(BIN)/pip install -q torch==2.13.0 triton==3.9.0 numpy pytest matplotlib transformers==5.24.0 accelerate==1.15.0 tqdm
 	$(BIN)/pip install -q --no-deps -e .
 	touch $@
 
 demo: setup
 	$(BIN)/python examples/train_gpt.py
 
+PYTEST := $(BIN)/python -m pytest -p no:cacheprovider -rfEs
+
+# Both runs always run; the target fails if either failed. The second run repeats the parity tests
+# (marked `parity`) with ATEN_CPU_CAPABILITY=default: other kernels, other rounding, same verdicts.
+# It gets a fresh Inductor cache of its own, so no kernel compiled for the first run's ISA is reused.
 test: setup
-	$(BIN)/python -m pytest -p no:cacheprovider -rs
+	@status=0; \
+	$(MAKE) --no-print-directory test-all || status=1; \
+	$(MAKE) --no-print-directory test-parity-default || status=1; \
+	if [ $$status -ne 0 ]; then echo "make test: FAILED (see the summaries above)"; fi; \
+	exit $$status
+
+test-all: setup
+	$(PYTEST)
+
+test-parity-default: setup
+	@cache=$$(mktemp -d -t zinf-inductor-default.XXXXXX); \
+	echo "== parity tests again: ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CACHE_DIR=$$cache"; \
+	ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CACHE_DIR=$$cache $(PYTEST) -m parity tests; \
+	status=$$?; rm -rf "$$cache"; exit $$status
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -10,7 +10,7 @@ import torch
 import zinf_compile
 from zinf_compile.models import GPT, MLP, GPTConfig, make_batch
 
-from conftest import assert_same_training, train_pair
+from conftest import assert_grads_equal, assert_same_training, train_pair
 
 SMALL = GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4)
 
@@ -44,15 +44,19 @@ def test_entry_point_backend_is_registered():
     assert lookup_backend("zinf") is zinf_compile.zinf_backend
 
 
+@pytest.mark.parity
 def test_bf16_matches_eager_autocast():
+    """The autocast pass traces the casts eager autocast makes, the bf16 all-gather rounds each weight
+    as autocast's cast does (round to nearest even), and eager graphs keep eager's op order: so zinf
+    under bf16 is bitwise eager under torch.autocast (tiled bf16, where it cannot be, is held to a
+    bound from bf16's unit roundoff: tests/test_offload.py)."""
     batches = [make_batch(SMALL, 4, seed=i) for i in range(3)]
-    rl, zl, ref, m = train_pair(lambda: GPT(SMALL), batches, {"compiler": "eager", "mixed_precision": "bf16"},
-                                autocast=torch.bfloat16, opt="sgd", lr=0.05)
-    torch.testing.assert_close(torch.tensor(zl), torch.tensor(rl), rtol=2e-2, atol=2e-2)
-    full = zinf_compile.full_state_dict(m)
-    for k, v in ref.state_dict().items():
-        assert full[k].dtype == torch.float32  # fp32 master weights
-        torch.testing.assert_close(full[k], v, rtol=2e-2, atol=2e-2, msg=lambda s: f"{k}: {s}")
+    run = train_pair(lambda: GPT(SMALL), batches, {"compiler": "eager", "mixed_precision": "bf16"},
+                     autocast=torch.bfloat16, opt="sgd", lr=0.05)
+    assert_grads_equal(run)
+    assert_same_training(run, exact=True)
+    full = zinf_compile.full_state_dict(run.model)
+    assert all(v.dtype == torch.float32 for v in full.values())  # fp32 master weights
     rec = zinf_compile.compile_records()[-1]
     assert rec.counters["gathered_in_compute_dtype"] > 0  # linear weights all-gathered in bf16
     fwd = rec.final("forward")
@@ -98,6 +102,7 @@ def test_inductor_releases_every_gathered_parameter():
     assert stats["current"] == base and stats["peak"] > base
 
 
+@pytest.mark.parity
 def test_eval_no_grad_and_train_switch():
     torch.manual_seed(0)
     ref = GPT(SMALL)
@@ -140,6 +145,7 @@ def test_plain_torch_optimizer_on_partitioned_params_raises():
         opt.step()
 
 
+@pytest.mark.parity
 def test_clip_grad_norm_matches_torch():
     batches = [(torch.randn(4, 16),)]
     torch.manual_seed(0)
@@ -182,6 +188,7 @@ def test_optimizer_state_dict_and_state_accounting():
     assert zinf_compile.memory_stats()["device"]["optim"]["current"] - before["optim"]["current"] == optim
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("options", [{"compiler": "eager"},
                                      {"compiler": "eager", "tiles": 3, "tile_threshold_bytes": 1000}])
 def test_two_instances_of_one_class_share_compiled_graphs_correctly(options):
@@ -262,6 +269,7 @@ def test_dump_dir_holds_every_graph_and_the_memory_plan(tmp_path):
     assert plan["peaks"]["device"]["kinds"]["gathered"] > 0
 
 
+@pytest.mark.parity
 def test_batchnorm_buffers_are_mutated_like_eager():
     """Running statistics (buffers mutated in the graph) come before the gradients among the joint
     graph's outputs: zinf must still find each parameter's gradient."""
@@ -272,9 +280,10 @@ def test_batchnorm_buffers_are_mutated_like_eager():
 
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(8, 16, generator=g),) for _ in range(3)]
-    rl, zl, ref, m = train_pair(make, batches, {"compiler": "eager"}, opt="sgd", lr=0.1)
-    assert_same_training(rl, zl, ref, m)
-    torch.testing.assert_close(m[1].running_var, ref[1].running_var)
+    run = train_pair(make, batches, {"compiler": "eager"}, opt="sgd", lr=0.1)
+    assert_grads_equal(run)
+    assert_same_training(run, exact=True)
+    assert torch.equal(run.model[1].running_var, run.ref[1].running_var)
 
 
 def test_dump_dir_from_the_environment(monkeypatch, tmp_path):

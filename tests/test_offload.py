@@ -1,4 +1,8 @@
-"""Offload tiers: every combination of offload_params x offload_optimizer trains like eager."""
+"""Offload tiers: every combination of offload_params x offload_optimizer trains like eager.
+
+Moving shards between tiers copies bits and the optimizer runs torch's kernels on the fp32 shards,
+so with eager graphs the training is bitwise eager's (Adam included) on any CPU.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,8 @@ import zinf_compile
 import zinf_runtime
 from zinf_compile.models import GPT, GPTConfig, make_batch
 
-from conftest import assert_same_training, train_pair
+from conftest import (assert_grads_equal, assert_grads_within_reduction_bound,
+                      assert_mixed_precision_matches_autocast, assert_same_training, train_pair)
 
 CFG = GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4)
 TIERS = ("none", "cpu", "nvme")
@@ -23,11 +28,14 @@ def opts(params, optim, path, **kw):
             "optimizer_sub_group_bytes": 64 << 10, **kw}
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("params, optim", list(itertools.product(TIERS, TIERS)))
 def test_all_offload_combinations_match_eager(params, optim, tmp_path):
     batches = [make_batch(CFG, 4, seed=i) for i in range(3)]
-    rl, zl, ref, m = train_pair(lambda: GPT(CFG), batches, opts(params, optim, tmp_path))
-    assert_same_training(rl, zl, ref, m)
+    run = train_pair(lambda: GPT(CFG), batches, opts(params, optim, tmp_path))
+    assert_grads_equal(run)
+    assert_same_training(run, exact=True)
+    m = run.model
     h = zinf_runtime.handle_of(m.blocks[0].fc.weight)
     want = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
     assert (h.placement.tier, h.placement.master_tier) == (want[params], want[optim])
@@ -40,17 +48,21 @@ def test_all_offload_combinations_match_eager(params, optim, tmp_path):
         assert len(h.optim_slots) == 2
 
 
+@pytest.mark.parity
 def test_gradient_accumulation_with_nvme(tmp_path):
     batches = [make_batch(CFG, 4, seed=i) for i in range(6)]
-    rl, zl, ref, m = train_pair(lambda: GPT(CFG), batches, opts("nvme", "nvme", tmp_path), accum=2)
-    assert_same_training(rl, zl, ref, m)
+    run = train_pair(lambda: GPT(CFG), batches, opts("nvme", "nvme", tmp_path), accum=2)
+    assert_grads_equal(run)  # accumulated by read-modify-write on disk
+    assert_same_training(run, exact=True)
 
 
+@pytest.mark.parity
 def test_nvme_streaming_uses_several_sub_groups(tmp_path):
     batches = [make_batch(CFG, 4, seed=i) for i in range(2)]
-    rl, zl, ref, m = train_pair(lambda: GPT(CFG), batches,
-                                opts("cpu", "nvme", tmp_path, optimizer_sub_group_bytes=16 << 10))
-    assert_same_training(rl, zl, ref, m)
+    run = train_pair(lambda: GPT(CFG), batches, opts("cpu", "nvme", tmp_path, optimizer_sub_group_bytes=16 << 10))
+    assert_grads_equal(run)
+    assert_same_training(run, exact=True)
+    m = run.model
     engine = zinf_runtime.handle_of(m.tok.weight).master.swap
     assert engine.stats()["reads"] > 0 and engine.stats()["writes"] > 0
     assert engine.dir.startswith(str(tmp_path)) and oct(os.stat(engine.dir).st_mode & 0o777) == "0o700"
@@ -68,6 +80,7 @@ def test_bad_nvme_path_fails_at_compile_naming_it(tmp_path):
         zinf_compile.Config(offload_optimizer="nvme")
 
 
+@pytest.mark.parity
 def test_fused_triton_copies_in_the_training_path(tmp_path, monkeypatch):
     """The fetch and gradient-offload paths through the Triton kernels (interpreted on CPU) train
     exactly like eager, gradient accumulation included."""
@@ -78,8 +91,9 @@ def test_fused_triton_copies_in_the_training_path(tmp_path, monkeypatch):
     monkeypatch.setenv("ZINF_FUSED_COPY", "1")
     before = dict(store.fused_copies)
     batches = [make_batch(CFG, 2, seed=i) for i in range(4)]
-    rl, zl, ref, m = train_pair(lambda: GPT(CFG), batches, opts("cpu", "cpu", tmp_path), accum=2)
-    assert_same_training(rl, zl, ref, m)
+    run = train_pair(lambda: GPT(CFG), batches, opts("cpu", "cpu", tmp_path), accum=2)
+    assert_grads_equal(run)
+    assert_same_training(run, exact=True)
     assert store.fused_copies["gather_cast"] > before["gather_cast"]
     assert store.fused_copies["scatter_accumulate"] > before["scatter_accumulate"]  # 2nd micro-batch
 
@@ -119,6 +133,7 @@ def test_disk_full_during_optimizer_step_names_path_and_keeps_state(tmp_path):
     assert untouched, "the failed step left previously written state readable"
 
 
+@pytest.mark.parity
 def test_nvme_offload_through_inductor(tmp_path):
     from zinf_compile.models import MLP
 
@@ -126,18 +141,20 @@ def test_nvme_offload_through_inductor(tmp_path):
     batches = [(torch.randn(6, 16, generator=g),) for _ in range(3)]
     o = opts("nvme", "nvme", tmp_path)
     o["compiler"] = "inductor"
-    rl, zl, ref, m = train_pair(lambda: MLP(), batches, o, opt="sgd", lr=0.1)
-    assert_same_training(rl, zl, ref, m)
+    run = train_pair(lambda: MLP(), batches, o, opt="sgd", lr=0.1)
+    assert_grads_within_reduction_bound(run)  # Inductor reorders reductions
+    assert_same_training(run, exact=False)
 
 
+@pytest.mark.parity
 def test_bf16_tiling_and_split_offload_tiers_combine(tmp_path):
-    """Mixed precision + tiling + parameters on NVMe with the optimizer on CPU, against eager autocast."""
+    """Mixed precision + tiling + parameters on NVMe with the optimizer on CPU, against eager autocast.
+
+    Tiling reorders fp32 accumulations that are then rounded to bf16, so a bf16 output can land on
+    the neighbouring value: compared with the bound from bf16's unit roundoff (tests/conftest.py)."""
     batches = [make_batch(CFG, 4, seed=i) for i in range(3)]
     o = opts("nvme", "cpu", tmp_path, mixed_precision="bf16", tiles=2, tile_threshold_bytes=10_000)
-    rl, zl, ref, m = train_pair(lambda: GPT(CFG), batches, o, autocast=torch.bfloat16, opt="sgd", lr=0.05)
-    torch.testing.assert_close(torch.tensor(zl), torch.tensor(rl), rtol=2e-2, atol=2e-2)
-    full = zinf_compile.full_state_dict(m)
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(full[k], v, rtol=2e-2, atol=2e-2)
+    run = train_pair(lambda: GPT(CFG), batches, o, autocast=torch.bfloat16, opt="sgd", lr=0.05)
+    assert_mixed_precision_matches_autocast(run, torch.bfloat16, lr=0.05, steps=3)
     rec = zinf_compile.compile_records()[-1]
     assert rec.counters["tiled_weights"] > 0 and rec.counters["gathered_in_compute_dtype"] > 0

@@ -11,10 +11,10 @@ import zinf_compile
 from zinf_compile.models import GPT, MLP, GPTConfig, make_batch
 from zinf_runtime.accounting import ZinfOutOfMemoryError
 
-from conftest import assert_same_training, train_pair
+from conftest import assert_grads_within_reduction_bound, assert_same_training, train_pair
 
-# PyTorch's default init: tiling splits each matmul, so rounding differs (~1e-9); with GPT-2's small
-# init, attention gradients are ~0 and Adam would amplify that noise (see tests/conftest.py)
+# Tiling splits each matmul, so the order of its reductions (and the kernel's blocking) changes:
+# gradients are held to the fp32 summation bound, parameters compared after SGD steps (tests/conftest.py).
 CFG = GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4, init_std=None)
 
 
@@ -27,15 +27,17 @@ def final_counts(stage):
     return snap.op_counts
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("tiles", [2, 4, 7])
 def test_gpt_tiled_matches_eager(tiles):
     # qkv (12 KiB), fc and out (16 KiB each) are over the threshold; proj (4 KiB) is not;
     # the tied embedding/LM head is used by an embedding lookup, so it stays whole.
     opts = {"compiler": "eager", "tiles": tiles, "tile_threshold_bytes": 10_000}
-    # eps: rows of absent tokens get LM-head gradients of ~1e-6 that are sums of ~1e-2 terms; tiling
-    # reorders rounding upstream (~1e-9), which Adam's m/sqrt(v) would turn into ~1e-5 updates
-    rl, zl, ref, m = train_pair(lambda: GPT(CFG), gpt_batches(3), opts, eps=1e-4)
-    assert_same_training(rl, zl, ref, m)
+    # SGD, not Adam: rows of absent tokens get LM-head gradients of ~1e-6 that are sums of ~1e-2
+    # terms; tiling reorders rounding upstream (~1e-9), which Adam's m/sqrt(v) turns into ±lr updates
+    run = train_pair(lambda: GPT(CFG), gpt_batches(3), opts, opt="sgd", lr=0.1)
+    assert_grads_within_reduction_bound(run)
+    assert_same_training(run, exact=False)
     rec = zinf_compile.compile_records()[-1]
     assert rec.counters["tiled_weights"] == 3 * CFG.layers
     assert rec.counters["tiles_planned"] == 3 * CFG.layers * tiles
@@ -43,22 +45,25 @@ def test_gpt_tiled_matches_eager(tiles):
     assert "tok.weight" not in plans and "blocks.0.proj.weight" not in plans and "blocks.1.fc.weight" in plans
 
 
+@pytest.mark.parity
 def test_gpt_tiled_without_bias_inductor():
     cfg = GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4, mlp_bias=False)
     batches = [make_batch(cfg, 4, seed=i) for i in range(3)]
-    rl, zl, ref, m = train_pair(lambda: GPT(cfg), batches, {"tiles": 3, "tile_threshold_bytes": 10_000},
-                                opt="sgd", lr=0.1)
-    assert_same_training(rl, zl, ref, m)
+    run = train_pair(lambda: GPT(cfg), batches, {"tiles": 3, "tile_threshold_bytes": 10_000}, opt="sgd", lr=0.1)
+    assert_grads_within_reduction_bound(run)
+    assert_same_training(run, exact=False)
     assert zinf_compile.compile_records()[-1].counters["tiled_weights"] == 3 * cfg.layers
 
 
+@pytest.mark.parity
 def test_only_the_large_matmul_tiles():
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(6, 16, generator=g),) for _ in range(3)]
     # 16x8 weight (512 B) stays whole, 8x64 (2 KiB) is tiled
-    rl, zl, ref, m = train_pair(lambda: MLP((16, 8, 64)), batches,
-                                {"compiler": "eager", "tiles": 4, "tile_threshold_bytes": 1000})
-    assert_same_training(rl, zl, ref, m)
+    run = train_pair(lambda: MLP((16, 8, 64)), batches, {"compiler": "eager", "tiles": 4, "tile_threshold_bytes": 1000},
+                     opt="sgd", lr=0.1)
+    assert_grads_within_reduction_bound(run)
+    assert_same_training(run, exact=False)
     rec = zinf_compile.compile_records()[-1]
     assert rec.counters["tiled_weights"] == 1 and rec.counters["tiles_planned"] == 4
     plans = [z for s in rec.graphs("dynamo") for z in s.zinf_nodes if z["kind"] == "tile_plan"]
@@ -99,11 +104,14 @@ class MatmulForms(nn.Module):
         return torch.bmm(h.unsqueeze(0).expand(2, -1, -1), self.d)
 
 
+@pytest.mark.parity
 def test_matmul_forms():
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(5, 16, generator=g),) for _ in range(3)]
-    rl, zl, ref, m = train_pair(MatmulForms, batches, {"compiler": "eager", "tiles": 3, "tile_threshold_bytes": 0})
-    assert_same_training(rl, zl, ref, m)
+    run = train_pair(MatmulForms, batches, {"compiler": "eager", "tiles": 3, "tile_threshold_bytes": 0},
+                     opt="sgd", lr=0.1)
+    assert_grads_within_reduction_bound(run)
+    assert_same_training(run, exact=False)
     plans = {z["param"]: z for s in zinf_compile.compile_records()[-1].graphs("dynamo")
              for z in s.zinf_nodes if z["kind"] == "tile_plan"}
     assert {k: v["dim"] for k, v in plans.items()} == {"e": 1, "a": 1, "b": 0, "c": 1, "d": 2}
@@ -168,6 +176,7 @@ def zinf_runtime_budget_reset():
     set_device_memory_budget(None)
 
 
+@pytest.mark.parity
 def test_tiled_weight_used_whole_in_a_later_graph():
     """Tiled in the training graph, then read whole by eval and by full_state_dict."""
     torch.manual_seed(0)

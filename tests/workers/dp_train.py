@@ -1,13 +1,15 @@
 """Data-parallel worker, launched by torchrun from tests: trains the GPT-style model under zinf.
 
 Each rank takes its half of the global batch; losses are averaged across ranks (equal halves, so the
-mean of local means is the global mean). Rank 0 writes losses, the full state dict, per-rank shard
+mean of local means is the global mean). Rank 0 writes losses, the first step's full gradients
+(gathered from every rank's shards, before the optimizer steps), the full state dict, per-rank shard
 bytes and the compiled graphs' zinf op counts to the output path.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from datetime import timedelta
 
@@ -17,6 +19,11 @@ import torch.distributed as dist
 import zinf_compile
 from zinf_compile.models import GPT, GPTConfig, make_batch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from conftest import zinf_full_grads  # noqa: E402  (tests/conftest.py: the store-level gradient read)
+
+# the optimizer both sides use: SGD with momentum (tests/conftest.py says why not Adam across dp)
+SGD = dict(lr=0.1, momentum=0.9)
 
 
 def main(out_path: str, options_json: str, steps: int, global_batch: int, cfg_json: str) -> None:
@@ -32,13 +39,16 @@ def main(out_path: str, options_json: str, steps: int, global_batch: int, cfg_js
                 p.add_(1.0)
     total_param_bytes = sum(p.numel() * 4 for p in model.parameters())
     cmodel = torch.compile(model, backend="zinf", options=options)
-    opt = zinf_compile.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = zinf_compile.optim.SGD(model.parameters(), **SGD)
     losses = []
+    grads = {}
     per = global_batch // world
     for step in range(steps):
         x, y = make_batch(cfg, global_batch, seed=step)
         loss = cmodel(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
         loss.backward()
+        if step == 0:
+            grads = zinf_full_grads(model)  # collective
         opt.step()
         opt.zero_grad()
         t = loss.detach().clone()
@@ -58,7 +68,7 @@ def main(out_path: str, options_json: str, steps: int, global_batch: int, cfg_js
                     counts[f"{stage}:{k}"] = counts.get(f"{stage}:{k}", 0) + v
     full = zinf_compile.full_state_dict(model, rank0_only=True)
     if rank == 0:
-        torch.save({"losses": losses, "state": full, "shard_bytes": [int(s) for s in all_shards],
+        torch.save({"losses": losses, "grads": grads, "state": full, "shard_bytes": [int(s) for s in all_shards],
                     "total_param_bytes": total_param_bytes, "counts": counts}, out_path)
     dist.barrier()
     dist.destroy_process_group()
