@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from . import accounting, comm, store
-from .tiers import Slot, pool
+from .tiers import Slot
 
 
 class ShardedOptimizerMixin:
@@ -104,7 +104,7 @@ class ShardedOptimizerMixin:
             size += b
 
         def read(slot: Slot) -> tuple:
-            return slot.get_async(out=pool.acquire(slot.numel, slot.dtype))
+            return slot.get_async(out=slot.pool.acquire(slot.numel, slot.dtype))
 
         def load(group: List[tuple[int, store.ParamHandle]]) -> list:
             out = []
@@ -136,7 +136,7 @@ class ShardedOptimizerMixin:
                 super().step()  # type: ignore[misc]
                 for gi, u, master, grad, st, _ in current:
                     master.grad = None
-                    pool.release(grad)
+                    u.grad_slot.pool.release(grad)
                     u.master_updated(master)
                     u.master.set(master, donate=True, recycle=True)  # buffers return once written
                     for name, value in self.state.pop(master, {}).items():
