@@ -89,7 +89,8 @@ class RecordingEvent:
     """A stand-in for ``torch.cuda.Event`` on CPU: it logs when it is recorded and waited on."""
 
     def __init__(self, log: List[Tuple[str, int]], device: torch.device):
-        self.log, self.id, self.done = log, len(log), False
+        self.log, self.done = log, False
+        self.id = sum(1 for kind, _ in log if kind == "record")  # 0, 1, 2... in record order
         log.append(("record", self.id))
 
     def query(self) -> bool:
