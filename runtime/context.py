@@ -20,8 +20,10 @@ Which context a parameter joins, when ``partition`` is given a ``Placement`` tha
    verdicts per graph equal those per model);
 3. else (direct runtime use, outside any compile) the process's :data:`DEFAULT` context.
 
-A model whose parameters are served by another instance's compiled graph (Dynamo reuses one graph
-for instances of a class compiled with the *same* options object) joins that graph's context.
+So give each model its own options dict (a fresh ``{...}`` per ``torch.compile`` call): models
+compiled with one shared options object share one context (the same budget value, but one
+accounting, one swap folder), and so does a model whose parameters are served by another instance's
+compiled graph (Dynamo reuses one graph for instances of a class compiled with the same options).
 
 Lifetime: the context lives as long as a handle or slot refers to it. When the model is deleted,
 its parameters' finalizers free their handles; the context then closes its swap engines (their

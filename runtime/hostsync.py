@@ -54,35 +54,32 @@ def needs_fence(device: torch.device) -> bool:
 class Fence:
     """Events of asynchronous device work on one host buffer; see the module docstring."""
 
-    __slots__ = ("_events", "_keep")
+    __slots__ = ("_events",)
 
     def __init__(self) -> None:
-        self._events: List[Any] = []
-        self._keep: Tuple[torch.Tensor, ...] = ()
+        self._events: List[Tuple[Any, Tuple[torch.Tensor, ...]]] = []  # (event, host tensors it reads)
 
     @property
     def pending(self) -> bool:
         return bool(self._events)
 
     def record(self, device: torch.device, *keep: torch.Tensor) -> None:
-        """Device work touching this buffer was just enqueued on ``device``'s current stream."""
+        """Device work touching this buffer was just enqueued on ``device``'s current stream;
+        ``keep`` (host tensors it uses) stay alive until it finished."""
         if not needs_fence(device):
             return
         factory = _fake_factory or _cuda_event
-        if len(self._events) >= 4:  # one stream normally: the newest event covers the older ones
-            self._events = [e for e in self._events if not e.query()]
-        self._events.append(factory(device))
-        if keep:
-            self._keep = self._keep + tuple(keep)
+        if len(self._events) >= 4:  # repeated fetches without a host access (inference): drop done ones
+            self._events = [(e, k) for e, k in self._events if not e.query()]
+        self._events.append((factory(device), keep))
 
     def wait(self) -> None:
         """Block the host until every recorded device use of the buffer has finished."""
         if not self._events:
             return
         events, self._events = self._events, []
-        for ev in events:
+        for ev, _ in events:
             ev.synchronize()
-        self._keep = ()
 
 
 class RecordingEvent:
