@@ -150,9 +150,10 @@ class StrictCommError(RuntimeError):
     """Strict mode: a collective got a tensor that is a store slot's memory."""
 
 
-def _check(op: str, t: torch.Tensor, group: ProcessGroup, *, strict_only: bool) -> None:
-    """Raise if ``t`` is not on the group's device (always, unless ``strict_only``) or, in strict
-    mode, if it is a slot's memory."""
+def _check(op: str, t: torch.Tensor, group: ProcessGroup, *, device: str) -> None:
+    """In strict mode, refuse a slot's memory. Refuse a tensor off the group's device when
+    ``device`` is ``"always"``, or ``"strict"`` and strict mode is on (``"never"``: a mover's input,
+    which is about to be staged)."""
     strict_on = strict_enabled()
     if strict_on:
         name = slot_of(t)
@@ -161,7 +162,7 @@ def _check(op: str, t: torch.Tensor, group: ProcessGroup, *, strict_only: bool) 
                 f"zinf comm (strict): {op} was given the memory of store slot {name!r}; collectives must "
                 "run on compute-path tensors. Fix: pass a copy staged on the process group's device "
                 "(e.g. comm.all_gather_to / comm.all_reduce_sum do this), never a slot's tensor.")
-    if (strict_on or not strict_only) and _initialized():
+    if (device == "always" or (device == "strict" and strict_on)) and _initialized():
         want = group_device(group, t.device)
         if t.device.type != want.type:
             backend = dist.get_backend(group)
@@ -174,8 +175,8 @@ def _check(op: str, t: torch.Tensor, group: ProcessGroup, *, strict_only: bool) 
 # -- hot-path collectives: tensors already on the group's device ------------------------------------
 def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: ProcessGroup) -> None:
     """``out`` (world × shard elements) receives every rank's ``shard`` in rank order."""
-    _check("all_gather", shard, group, strict_only=False)
-    _check("all_gather (output)", out, group, strict_only=False)
+    _check("all_gather", shard, group, device="always")
+    _check("all_gather (output)", out, group, device="always")
     fn = getattr(dist, "all_gather_single", None)
     if fn is not None:
         fn(out, shard, group=group)
@@ -185,8 +186,8 @@ def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: ProcessGroup)
 
 def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: ProcessGroup) -> None:
     """``out`` receives the sum over ranks of this rank's slice of ``full``."""
-    _check("reduce_scatter", full, group, strict_only=False)
-    _check("reduce_scatter (output)", out, group, strict_only=False)
+    _check("reduce_scatter", full, group, device="always")
+    _check("reduce_scatter (output)", out, group, device="always")
     fn = getattr(dist, "reduce_scatter_single", None)
     if fn is not None:
         fn(out, full, op=dist.ReduceOp.SUM, group=group)
@@ -197,16 +198,23 @@ def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: ProcessGro
 # -- movers: tensors that live off the group's device by design -------------------------------------
 def _staged_inplace(op: str, t: torch.Tensor, group: ProcessGroup, run: Callable[[torch.Tensor], None]) -> None:
     """Run the in-place collective ``run`` on ``t`` through a copy on the group's device if needed."""
-    _check(op, t, group, strict_only=True)  # slot memory is refused before anything moves
+    _check(op, t, group, device="never")  # slot memory is refused before anything moves
     dev = group_device(group, t.device)
     if dev == t.device and t.is_contiguous():
+        _check(op, t, group, device="strict")
         run(t)
         return
     staged = t.detach().to(dev, copy=True).contiguous()
-    _check(op, staged, group, strict_only=True)
+    _check(op, staged, group, device="strict")
     run(staged)
+    _unstage(t, staged)
+
+
+def _unstage(t: torch.Tensor, staged: torch.Tensor) -> None:
+    """Write a staged collective's result back into ``t``: a blocking copy, so ``t`` is valid on
+    return whatever its device."""
     with torch.no_grad():
-        t.copy_(staged)  # a blocking copy back: t is valid on return, whatever its device
+        t.copy_(staged)
 
 
 def broadcast(t: torch.Tensor, group: ProcessGroup) -> None:
@@ -220,7 +228,7 @@ def all_reduce_sum(t: torch.Tensor, group: ProcessGroup) -> None:
     Without ``torch.distributed`` initialized it is left alone (dp = 1); strict mode still checks it.
     """
     if not _initialized():
-        _check("all_reduce", t, group, strict_only=True)
+        _check("all_reduce", t, group, device="never")
         return
     _staged_inplace("all_reduce", t, group, lambda x: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group))
 

@@ -125,6 +125,25 @@ def test_movers_hand_collectives_a_private_contiguous_copy(gloo_world1, monkeypa
     assert torch.equal(base, torch.arange(12.0).view(3, 4) * 2)
 
 
+def test_movers_stage_a_tensor_off_the_groups_device(monkeypatch):
+    """In strict mode, a CPU tensor given to all_reduce_sum / broadcast of a group whose backend
+    takes another device (NCCL: CUDA) is staged there, not refused. A backend taking "meta" tensors
+    stands in for NCCL on this CUDA-less machine."""
+    monkeypatch.setattr(comm, "_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "meta:fake")
+    monkeypatch.setattr(comm, "group_src_rank", lambda group: 0)
+    seen, back = [], []
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: seen.append(("all_reduce", t.device.type)))
+    monkeypatch.setattr(dist, "broadcast", lambda t, *a, **k: seen.append(("broadcast", t.device.type)))
+    monkeypatch.setattr(comm, "_unstage", lambda t, staged: back.append((t.device.type, staged.device.type)))
+    comm.all_reduce_sum(torch.ones(3, dtype=torch.float64), None)
+    comm.broadcast(torch.ones(3), None)
+    assert seen == [("all_reduce", "meta"), ("broadcast", "meta")]
+    assert back == [("cpu", "meta"), ("cpu", "meta")]
+    with pytest.raises(comm.CollectiveDeviceError, match="meta"):  # the hot path never stages
+        comm.all_gather_flat(torch.empty(6), torch.ones(3), None)
+
+
 def test_dp2_tiled_cpu_offload_runs_under_strict_mode(tmp_path):
     """dp = 2 on gloo, strict mode on in both workers (inherited env): the partition-time
     broadcast, the all-gather of CPU masters when weights are tiled (it used to hand the master
