@@ -1,25 +1,32 @@
 """Byte accounting per memory tier and kind, so memory claims can be checked.
 
-Every runtime allocation of model state goes through :func:`add` / :func:`sub` (or :func:`set_bytes`
-for totals recomputed in one go, such as optimizer state). ``memory_stats()`` then answers, per tier
-(``device``, ``cpu``, ``nvme``) and kind (``param``, ``grad``, ``optim``, ``gathered``), the current and
-peak bytes. The counters are process-wide on purpose: they describe this process's memory, as
-``torch.cuda.memory_stats`` does, and hold no compile state.
+Every runtime allocation of model state goes through an :class:`Accounting`'s ``add`` / ``sub`` (or
+``set_bytes`` for totals recomputed in one go). Each compiled model owns one, inside its
+``zinf_runtime.context.RuntimeContext``, together with its ``device_memory_budget``: the budget check
+when a parameter is materialized looks at *that model's* gathered bytes and budget only, so two
+models in one process never see each other's settings or usage::
+
+    model A (budget 1 MiB) --ctx A--> Accounting A --+
+    model B (no budget)    --ctx B--> Accounting B --+--> TOTAL (process-wide sum, current and peak)
+
+Every per-model ``Accounting`` also reports into :data:`TOTAL`, so ``memory_stats()`` without a model
+still answers, per tier (``device``, ``cpu``, ``nvme``) and kind (``param``, ``grad``, ``optim``,
+``gathered``, ...), the process's current and *true* peak bytes (the peak of the sum, not a sum of
+peaks), as ``torch.cuda.memory_stats`` does. The module-level :func:`add` / :func:`sub` /
+:func:`set_bytes` record bytes no model owns (e.g. an optimizer's state) into :data:`TOTAL` only.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Dict, Iterator, Optional
 
 TIERS = ("device", "cpu", "nvme")
 KINDS = ("param", "grad", "optim", "gathered", "grad_buffer", "materialized")
 
-_lock = threading.Lock()
-_budget: Optional[int] = None
-_current: Dict[tuple[str, str], int] = {}
-_peak: Dict[tuple[str, str], int] = {}
+Stats = Dict[str, Dict[str, Dict[str, int]]]
 
 
 def _check(tier: str, kind: str) -> None:
@@ -27,116 +34,173 @@ def _check(tier: str, kind: str) -> None:
         raise ValueError(f"unknown memory tier/kind {tier!r}/{kind!r}; tiers {TIERS}, kinds {KINDS}")
 
 
-def add(tier: str, kind: str, nbytes: int) -> None:
-    """Record ``nbytes`` more bytes of ``kind`` resident on ``tier``."""
-    _check(tier, kind)
-    with _lock:
-        key = (tier, kind)
-        cur = _current.get(key, 0) + int(nbytes)
-        _current[key] = cur
-        if cur > _peak.get(key, 0):
-            _peak[key] = cur
-
-
-def sub(tier: str, kind: str, nbytes: int) -> None:
-    """Record that ``nbytes`` bytes of ``kind`` left ``tier``."""
-    add(tier, kind, -int(nbytes))
-
-
-def set_bytes(tier: str, kind: str, nbytes: int) -> None:
-    """Set the current bytes of ``kind`` on ``tier`` (for totals recomputed as a whole)."""
-    _check(tier, kind)
-    with _lock:
-        key = (tier, kind)
-        _current[key] = int(nbytes)
-        if nbytes > _peak.get(key, 0):
-            _peak[key] = int(nbytes)
-
-
-def current(tier: str, kind: str) -> int:
-    _check(tier, kind)
-    return _current.get((tier, kind), 0)
-
-
-def memory_stats() -> Dict[str, Dict[str, Dict[str, int]]]:
-    """Current and peak bytes: ``stats[tier][kind] == {"current": int, "peak": int}``.
-
-    ``gathered`` is the bytes of full (all-gathered) parameters materialized on the compute device;
-    ``grad_buffer`` the full gradients handed to ``reduce_grad`` (live until reduced);
-    ``materialized`` their sum, the parameter + gradient working memory the paper's tiling bounds.
-    ``param``, ``grad`` and ``optim`` are the bytes of this rank's shards (parameters incl.
-    compute-dtype copies, fp32 gradients, optimizer state) held on each tier.
-    """
-    with _lock:
-        return {
-            tier: {
-                kind: {"current": _current.get((tier, kind), 0), "peak": _peak.get((tier, kind), 0)}
-                for kind in KINDS
-            }
-            for tier in TIERS
-        }
-
-
-def reset_peak_memory_stats() -> None:
-    """Set every peak to the current value (like ``torch.cuda.reset_peak_memory_stats``)."""
-    with _lock:
-        for key in list(_peak):
-            _peak[key] = _current.get(key, 0)
+def check_budget(nbytes: Optional[int]) -> Optional[int]:
+    """Validate a ``device_memory_budget`` value (positive int of bytes, or None for no cap)."""
+    if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0):
+        raise ValueError(f"device_memory_budget must be a positive int of bytes or None, got {nbytes!r}")
+    return nbytes
 
 
 class ZinfOutOfMemoryError(RuntimeError):
-    """Materializing a parameter or gradient would exceed ``device_memory_budget``."""
+    """Materializing a parameter or gradient would exceed the model's ``device_memory_budget``."""
+
+
+class Accounting:
+    """Current and peak bytes per (tier, kind), and an optional budget on materialized bytes.
+
+    ``parent`` (normally :data:`TOTAL`) receives every change too. Thread-safe.
+    """
+
+    def __init__(self, parent: Optional["Accounting"] = None, budget: Optional[int] = None, name: str = ""):
+        self.parent = parent
+        self.name = name
+        self.budget = check_budget(budget)
+        self._lock = threading.Lock()
+        self._current: Dict[tuple[str, str], int] = {}
+        self._peak: Dict[tuple[str, str], int] = {}
+        _all.add(self)
+
+    def add(self, tier: str, kind: str, nbytes: int) -> None:
+        """Record ``nbytes`` more bytes of ``kind`` resident on ``tier``."""
+        _check(tier, kind)
+        with self._lock:
+            key = (tier, kind)
+            cur = self._current.get(key, 0) + int(nbytes)
+            self._current[key] = cur
+            if cur > self._peak.get(key, 0):
+                self._peak[key] = cur
+        if self.parent is not None:
+            self.parent.add(tier, kind, nbytes)
+
+    def sub(self, tier: str, kind: str, nbytes: int) -> None:
+        """Record that ``nbytes`` bytes of ``kind`` left ``tier``."""
+        self.add(tier, kind, -int(nbytes))
+
+    def set_bytes(self, tier: str, kind: str, nbytes: int) -> None:
+        """Set the current bytes of ``kind`` on ``tier`` (the parent gets the difference)."""
+        _check(tier, kind)
+        with self._lock:
+            key = (tier, kind)
+            delta = int(nbytes) - self._current.get(key, 0)
+            self._current[key] = int(nbytes)
+            if nbytes > self._peak.get(key, 0):
+                self._peak[key] = int(nbytes)
+        if self.parent is not None and delta:
+            self.parent.add(tier, kind, delta)
+
+    def current(self, tier: str, kind: str) -> int:
+        _check(tier, kind)
+        return self._current.get((tier, kind), 0)
+
+    def stats(self) -> Stats:
+        """``stats[tier][kind] == {"current": int, "peak": int}``; see :func:`memory_stats`."""
+        with self._lock:
+            return {
+                tier: {
+                    kind: {"current": self._current.get((tier, kind), 0), "peak": self._peak.get((tier, kind), 0)}
+                    for kind in KINDS
+                }
+                for tier in TIERS
+            }
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            for key in list(self._peak):
+                self._peak[key] = self._current.get(key, 0)
+
+    # -- the device memory budget ------------------------------------------------------------------
+    def _over_budget(self, nbytes: int, what: str, kind: str) -> None:
+        in_use = self.current("device", "gathered")
+        owner = f" of {self.name}" if self.name else ""
+        raise ZinfOutOfMemoryError(
+            f"zinf: out of device memory budget{owner}: {kind} {what} needs {nbytes} bytes while {in_use} bytes "
+            f"of gathered parameters are live, over device_memory_budget={self.budget}. Fix: raise "
+            f"device_memory_budget, or let zinf tile this operator (options tiles=N or tile_threshold_bytes)."
+        )
+
+    def materialize(self, nbytes: int, what: str) -> None:
+        """Account ``nbytes`` of gathered parameter ``what``, refusing to go over the budget."""
+        if self.budget is not None and self.current("device", "gathered") + nbytes > self.budget:
+            self._over_budget(nbytes, what, "materializing")
+        self.add("device", "gathered", nbytes)
+        self.add("device", "materialized", nbytes)
+
+    def released(self, nbytes: int) -> None:
+        """A gathered parameter's ``nbytes`` were freed."""
+        self.sub("device", "gathered", nbytes)
+        self.sub("device", "materialized", nbytes)
+
+    @contextlib.contextmanager
+    def gradient_buffer(self, nbytes: int, what: str) -> Iterator[None]:
+        """A full gradient of ``nbytes`` is live while it is reduced; it must fit beside the gathered
+        parameters under the budget."""
+        if self.budget is not None and self.current("device", "gathered") + nbytes > self.budget:
+            self._over_budget(nbytes, what, "the gradient of")
+        self.add("device", "grad_buffer", nbytes)
+        self.add("device", "materialized", nbytes)
+        try:
+            yield
+        finally:
+            self.sub("device", "grad_buffer", nbytes)
+            self.sub("device", "materialized", nbytes)
+
+
+_all: "weakref.WeakSet[Accounting]" = weakref.WeakSet()
+
+#: The process-wide view: every model's bytes plus bytes no model owns. It has no budget.
+TOTAL = Accounting(name="the process")
+
+
+def add(tier: str, kind: str, nbytes: int) -> None:
+    """Record ``nbytes`` bytes no model owns (an optimizer's state) in the process-wide view."""
+    TOTAL.add(tier, kind, nbytes)
+
+
+def sub(tier: str, kind: str, nbytes: int) -> None:
+    TOTAL.sub(tier, kind, nbytes)
+
+
+def set_bytes(tier: str, kind: str, nbytes: int) -> None:
+    TOTAL.set_bytes(tier, kind, nbytes)
+
+
+def current(tier: str, kind: str) -> int:
+    """Process-wide current bytes of ``kind`` on ``tier``."""
+    return TOTAL.current(tier, kind)
+
+
+def reset_peak_memory_stats() -> None:
+    """Set every peak, process-wide and per model, to the current value (like
+    ``torch.cuda.reset_peak_memory_stats``)."""
+    for acc in list(_all):
+        acc.reset_peak()
+
+
+def sum_stats(parts: "list[Stats]") -> Stats:
+    """Element-wise sum of several ``stats()`` results (peaks summed: an upper bound of the peak)."""
+    out = {tier: {kind: {"current": 0, "peak": 0} for kind in KINDS} for tier in TIERS}
+    for s in parts:
+        for tier in TIERS:
+            for kind in KINDS:
+                for k in ("current", "peak"):
+                    out[tier][kind][k] += s[tier][kind][k]
+    return out
 
 
 def set_device_memory_budget(nbytes: Optional[int]) -> None:
-    """Cap the bytes of materialized parameters and gradients on the compute device (None: no cap).
+    """Set the budget of the *default* runtime context only: the one used by parameters partitioned
+    directly through ``zinf_runtime.partition`` with a ``Placement`` that names no context.
 
-    On CPU this emulates a GPU's memory limit honestly: the runtime refuses, with an error naming
-    the tensor and the bytes, instead of silently using more.
+    Compiled models take their budget from their own ``device_memory_budget`` option; this never
+    changes them (it used to be process-wide, which let one model's setting leak into another's).
     """
-    global _budget
-    if nbytes is not None and (not isinstance(nbytes, int) or nbytes <= 0):
-        raise ValueError(f"device_memory_budget must be a positive int of bytes or None, got {nbytes!r}")
-    _budget = nbytes
+    from .context import DEFAULT
+
+    DEFAULT.device_memory_budget = nbytes
 
 
 def device_memory_budget() -> Optional[int]:
-    return _budget
+    """The default context's budget (see :func:`set_device_memory_budget`)."""
+    from .context import DEFAULT
 
-
-def _over_budget(nbytes: int, what: str, kind: str) -> None:
-    in_use = current("device", "gathered")
-    raise ZinfOutOfMemoryError(
-        f"zinf: out of device memory budget: {kind} {what} needs {nbytes} bytes while {in_use} bytes of "
-        f"gathered parameters are live, over device_memory_budget={_budget}. Fix: raise "
-        f"device_memory_budget, or let zinf tile this operator (options tiles=N or tile_threshold_bytes)."
-    )
-
-
-def materialize(nbytes: int, what: str) -> None:
-    """Account ``nbytes`` of gathered parameter ``what``, refusing to go over the budget."""
-    if _budget is not None and current("device", "gathered") + nbytes > _budget:
-        _over_budget(nbytes, what, "materializing")
-    add("device", "gathered", nbytes)
-    add("device", "materialized", nbytes)
-
-
-def released(nbytes: int) -> None:
-    """A gathered parameter's ``nbytes`` were freed."""
-    sub("device", "gathered", nbytes)
-    sub("device", "materialized", nbytes)
-
-
-@contextlib.contextmanager
-def gradient_buffer(nbytes: int, what: str) -> Iterator[None]:
-    """A full gradient of ``nbytes`` is live while it is reduced; it must fit beside the gathered
-    parameters under the budget."""
-    if _budget is not None and current("device", "gathered") + nbytes > _budget:
-        _over_budget(nbytes, what, "the gradient of")
-    add("device", "grad_buffer", nbytes)
-    add("device", "materialized", nbytes)
-    try:
-        yield
-    finally:
-        sub("device", "grad_buffer", nbytes)
-        sub("device", "materialized", nbytes)
+    return DEFAULT.device_memory_budget

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from . import accounting, comm, store
-from .tiers import Slot, pool
+from .tiers import Slot
 
 
 @dataclass
@@ -183,7 +183,7 @@ class ShardedOptimizerMixin:
             size += b
 
         def read(slot: Slot) -> tuple:
-            return slot.get_async(out=pool.acquire(slot.numel, slot.dtype))
+            return slot.get_async(out=slot.pool.acquire(slot.numel, slot.dtype))
 
         def load(group: List[tuple[int, store.ParamHandle]]) -> list:
             out = []
@@ -192,7 +192,7 @@ class ShardedOptimizerMixin:
                 if u.grad_slot.present:
                     grad, hg = read(u.grad_slot)
                 else:  # zeroed in place (zero_grad(set_to_none=False)): step with zeros, as eager does
-                    grad, hg = pool.acquire(u.grad_slot.numel, u.grad_slot.dtype).zero_(), None
+                    grad, hg = u.grad_slot.pool.acquire(u.grad_slot.numel, u.grad_slot.dtype).zero_(), None
                 st = {k: read(slot) for k, slot in u.optim_slots.items()}
                 out.append((gi, u, master, grad, st, [h for h in (hm, hg, *(h for _, h in st.values())) if h]))
             return out
@@ -218,7 +218,7 @@ class ShardedOptimizerMixin:
                 base_step(type(self))(self)
                 for gi, u, master, grad, st, _ in current:
                     master.grad = None
-                    pool.release(grad)
+                    u.grad_slot.pool.release(grad)
                     u.master_updated(master)
                     u.master.set(master, donate=True, recycle=True)  # buffers return once written
                     for name, value in self.state.pop(master, {}).items():

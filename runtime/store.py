@@ -17,12 +17,13 @@ import itertools
 import os
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import accounting, comm, tiers, triton_copy
+from . import accounting, comm, hostsync, tiers, triton_copy
+from .context import DEFAULT, RuntimeContext, resolve_context
 from .grads import ShardedGrad
 from .swap import SwapConfig
 
@@ -39,7 +40,9 @@ class Placement:
 
     ``tier`` holds the parameter copy that forward/backward fetch; ``optim_tier`` holds the fp32
     master, the gradient shard and the optimizer state (they are one tensor when both tiers are the
-    same memory tier and the parameter is fp32). ``swap`` configures the NVMe tier.
+    same memory tier and the parameter is fp32). ``swap`` configures the NVMe tier. ``context`` is
+    the model's ``RuntimeContext`` (budget, accounting, swap engines, buffers): not part of equality,
+    ``partition`` fills it in (see ``zinf_runtime.context``).
     """
 
     tier: str  # "device", "cpu" or "nvme": the parameter copy
@@ -48,6 +51,7 @@ class Placement:
     optim_tier: Optional[str] = None  # None: same as ``tier`` ("device"/"cpu"/"nvme")
     swap: Optional[SwapConfig] = None
     sub_group_bytes: int = 256 << 20  # NVMe optimizer: bytes of states stepped at a time
+    context: Optional[RuntimeContext] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for t in (self.tier, self.optim_tier):
@@ -82,6 +86,7 @@ class ParamHandle:
         self.dtype = dtype
         self.numel = flat.numel()
         self.placement = placement
+        self.context: RuntimeContext = placement.context or DEFAULT
         self.world = comm.world_size(placement.group)
         self.rank = comm.rank(placement.group)
         self.shard_numel = -(-self.numel // self.world)
@@ -117,9 +122,10 @@ class ParamHandle:
 
     def _slot(self, tier: str, kind: str, dtype: torch.dtype, what: str) -> tiers.Slot:
         pl = self.placement
-        swap = tiers.engine(pl.swap, self.rank) if tier == "nvme" else None
+        swap = self.context.engine(pl.swap, self.rank) if tier == "nvme" else None
         pin = tier != "device" and pl.compute_device.type == "cuda"
-        return tiers.Slot(tier, kind, self.shard_numel, dtype, pl.device_of(tier), swap, f"u{self.uid}.{what}", pin)
+        return tiers.Slot(tier, kind, self.shard_numel, dtype, pl.device_of(tier), swap, f"u{self.uid}.{what}", pin,
+                          self.context)
 
     @property
     def grad(self) -> Optional[torch.Tensor]:
@@ -188,7 +194,7 @@ class ParamHandle:
         slot = self.param_copy or self._whole()
         if slot.tier == "nvme":
             return slot.get().to(dtype)
-        src = slot.resident()
+        src = slot.resident_for_device()  # read-only here, and no device work writes a parameter slot
         if dtype == src.dtype:
             return src
         with self._lock:
@@ -196,7 +202,7 @@ class ParamHandle:
             if cached is None:
                 cached = src.to(dtype)
                 self._compute[dtype] = cached
-                accounting.add(slot.tier, "param", _nbytes(cached))
+                self.context.accounting.add(slot.tier, "param", _nbytes(cached))
             return cached
 
     def master_updated(self, value: Optional[torch.Tensor] = None) -> None:
@@ -217,7 +223,7 @@ class ParamHandle:
         tier = (self.param_copy or self.master).tier if (self.param_copy or self.master) else "device"
         with self._lock:
             for t in self._compute.values():
-                accounting.sub(tier, "param", _nbytes(t))
+                self.context.accounting.sub(tier, "param", _nbytes(t))
             self._compute.clear()
 
     def fetch_shard(self, dtype: torch.dtype) -> torch.Tensor:
@@ -225,37 +231,49 @@ class ParamHandle:
 
         From host memory on CUDA, one fused Triton kernel reads the pinned shard and casts it while
         copying (``triton_copy.gather_cast``), instead of a host-side cast plus a copy.
+
+        Ordering (CUDA; see ``zinf_runtime.hostsync``): the kernel, or the ``non_blocking`` upload
+        from pinned memory, is still reading the host shard when this returns. The slot's fence
+        records it, so the optimizer's in-place step on the master, a refresh of the parameter copy,
+        or freeing the slot waits for the read first. A pooled NVMe read buffer is waited for before
+        it goes back to the pool, where the next read would overwrite it. ``out`` is only used on
+        the current stream, after the copy, by stream order.
         """
         slot = self.param_copy or self._whole()
         out = torch.empty(self.shard_numel, dtype=dtype, device=self.placement.compute_device)
         if self.world == 1:  # the shard is the whole parameter: it is what gets released
-            _track_gathered(out, self.name)
+            _track_gathered(out, self.name, self.context.accounting)
         pooled = slot.tier == "nvme"
+        pool = self.context.pool
         if pooled:  # read into a reused host buffer, handed back once copied to the device
-            host = tiers.pool.acquire(slot.numel, slot.dtype, slot.pin)
+            host = pool.acquire(slot.numel, slot.dtype, slot.pin)
             slot.get_async(out=host)[1].wait()
+            fence = hostsync.Fence()
         else:
-            host = slot.resident()
+            host = slot.resident_for_device()
+            fence = slot.fence
         try:
             if fused_copy_enabled(host, out):
                 triton_copy.gather_cast([host], out)
+                fence.record(out.device, host)
                 fused_copies["gather_cast"] += 1
-                if pooled and out.is_cuda:
-                    torch.cuda.current_stream(out.device).synchronize()
                 return out
             src = host.to(dtype) if pooled else self.shard_in(dtype)
-            out.copy_(src, non_blocking=src.is_pinned() and not pooled)
+            non_blocking = src.is_pinned() and out.is_cuda
+            out.copy_(src, non_blocking=non_blocking)
+            if non_blocking:  # src is the slot's pinned memory, or the pooled buffer itself
+                fence.record(out.device, src)
             return out
         finally:
             if pooled:
-                tiers.pool.release(host)
+                pool.release(host, fence)
 
     def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
         """The full parameter from every rank's shard; accounted as gathered bytes until released."""
         if self.world == 1:
             return shard.view(self.shape)  # for eager callers; graphs use a view node instead
         buf = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
-        _track_gathered(buf, self.name)
+        _track_gathered(buf, self.name, self.context.accounting)
         comm.all_gather_flat(buf, shard, self.placement.group)
         return buf[: self.numel].view(self.shape)
 
@@ -267,7 +285,7 @@ class ParamHandle:
         if storage.nbytes():
             storage.resize_(0)
         if token is not None and token[0]:
-            accounting.released(token[0])
+            token[1].released(token[0])
             token[0] = 0
 
     def full_data(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -280,14 +298,13 @@ class ParamHandle:
         return full
 
     def _full_flat(self) -> torch.Tensor:
-        """Every rank's fp32 master shards joined, off the compute device: a one-time re-layout
-        (for tiling) that never materializes on the compute device, so it is outside the budget."""
+        """Every rank's fp32 master shards joined, on the master's tier device: a one-time re-layout
+        (for tiling), outside the budget. The all-gather runs on a copy staged on the process
+        group's device (NCCL refuses the CPU master; a slot's memory is never a collective's buffer)."""
         master = self._whole().get()
         if self.world == 1:
             return master[: self.numel].clone()
-        buf = torch.empty(self.padded_numel, dtype=master.dtype, device=master.device)
-        comm.all_gather_flat(buf, master.contiguous(), self.placement.group)
-        return buf[: self.numel]
+        return comm.all_gather_to(master, self.placement.group)[: self.numel]
 
     def load_full(self, full: torch.Tensor) -> None:
         """Overwrite this rank's master shard from a full tensor (same values on every rank)."""
@@ -346,7 +363,7 @@ class ParamHandle:
     def reduce_grad(self, grad: torch.Tensor) -> None:
         """Reduce-scatter (mean over dp) ``grad``; accumulate the fp32 shard on the optimizer's tier."""
         self._begin_grad()
-        with accounting.gradient_buffer(_nbytes(grad), self.name):
+        with self.context.accounting.gradient_buffer(_nbytes(grad), self.name):
             if self.tiles is not None:
                 for t, (lo, hi) in zip(self.tiles, self.tile_bounds):
                     t._reduce(grad.narrow(self.tile_dim, lo, hi - lo))
@@ -364,15 +381,18 @@ class ParamHandle:
             comm.reduce_scatter_flat(shard, flat.contiguous(), self.placement.group)
             shard.div_(self.world)
         slot = self.grad_slot
-        if slot.present and slot.tier == "cpu" and fused_copy_enabled(slot.resident(), shard):
-            triton_copy.scatter_accumulate(shard, [slot.resident()])  # device -> host, accumulating
+        if slot.present and slot.tier == "cpu" and fused_copy_enabled(slot.resident_for_device(), shard):
+            # device -> pinned host, accumulating; still running on return: the fence makes every
+            # host read of the gradient (optimizer, clipping, zero_grad) wait for it
+            triton_copy.scatter_accumulate(shard, [slot.resident_for_device()])
+            slot.fence.record(shard.device)
             fused_copies["scatter_accumulate"] += 1
         elif not slot.present:
             slot.set(shard)
         elif slot.tier != "nvme":
             slot.resident().add_(shard.to(slot.device))
         else:  # read-modify-write: accumulation across micro-batches survives offload
-            acc = tiers.pool.acquire(slot.numel, slot.dtype, slot.pin)
+            acc = slot.pool.acquire(slot.numel, slot.dtype, slot.pin)
             slot.get_async(out=acc)[1].wait()
             acc.add_(shard.to("cpu"))
             slot.set(acc, donate=True, recycle=True)
@@ -402,8 +422,7 @@ class ParamHandle:
                  torch.zeros(self.shard_numel, dtype=torch.float32, device=self.placement.storage_device()))
         if self.world == 1:
             return shard[: self.numel].clone().view(self.shape)
-        buf = torch.empty(self.padded_numel, dtype=torch.float32, device=shard.device)
-        comm.all_gather_flat(buf, shard.contiguous(), self.placement.group)
+        buf = comm.all_gather_to(shard, self.placement.group)  # staged on the group's device
         return buf[: self.numel].view(self.shape)
 
     def scale_grad(self, factor: float) -> None:
@@ -414,7 +433,7 @@ class ParamHandle:
         if slot.tier != "nvme":
             slot.resident().mul_(factor)
         else:
-            acc = tiers.pool.acquire(slot.numel, slot.dtype, slot.pin)
+            acc = slot.pool.acquire(slot.numel, slot.dtype, slot.pin)
             slot.get_async(out=acc)[1].wait()
             acc.mul_(factor)
             slot.set(acc, donate=True, recycle=True)
@@ -468,20 +487,21 @@ def fused_copy_enabled(host: torch.Tensor, device_t: torch.Tensor) -> bool:
 
 # gathered buffers not yet released, by storage address: a graph that raises half-way drops its
 # buffers without reaching their release nodes, and the accounting must follow the memory
-_live_gathered: Dict[int, List[int]] = {}
+_live_gathered: Dict[int, list] = {}  # ptr -> [nbytes, Accounting]
 
 
-def _track_gathered(buf: torch.Tensor, name: str) -> None:
+def _track_gathered(buf: torch.Tensor, name: str, acct: accounting.Accounting) -> None:
+    """Account ``buf`` in its model's ``acct`` (budget-checked) until released or freed."""
     nbytes = _nbytes(buf)
-    accounting.materialize(nbytes, name)
-    token = [nbytes]
+    acct.materialize(nbytes, name)
+    token = [nbytes, acct]
     _live_gathered[buf.untyped_storage().data_ptr()] = token
     weakref.finalize(buf, _dropped, buf.untyped_storage().data_ptr(), token)
 
 
-def _dropped(ptr: int, token: List[int]) -> None:
+def _dropped(ptr: int, token: list) -> None:
     if token[0]:
-        accounting.released(token[0])
+        token[1].released(token[0])
         token[0] = 0
         if _live_gathered.get(ptr) is token:
             del _live_gathered[ptr]
@@ -599,12 +619,14 @@ def partition(
     """Move each parameter's data into the store (idempotent); return the uids in order.
 
     With dp > 1 the values of the group's rank 0 win (as in DDP), so ranks that initialised
-    differently still train one model.
+    differently still train one model. New parameters join ``placement.context`` or, if it names
+    none, the context chosen by ``zinf_runtime.context.resolve_context`` (their model's).
     """
     items = list(params)
     new: List[tuple[str, torch.nn.Parameter]] = []
     with _lock:
         seen: set[int] = set()
+        existing: Optional[RuntimeContext] = None
         for name, p in items:
             h = handle_of(p)
             if h is not None:
@@ -613,16 +635,19 @@ def partition(
                         f"zinf: parameter {name!r} is already partitioned with {h.placement}, not "
                         f"{placement}; compile every graph of a model with the same options."
                     )
+                existing = existing or h.context
             elif id(p) not in seen:
                 seen.add(id(p))
                 new.append((name, p))
+        if new and placement.context is None:
+            placement = replace(placement, context=resolve_context(existing))
         for name, p in new:
             if p.untyped_storage().nbytes() < p.numel() * p.element_size():
                 raise RuntimeError(f"zinf: parameter {name!r} has no data (storage freed elsewhere)")
             flat = p.detach().reshape(-1)
             if comm.world_size(placement.group) > 1 and sync_from_rank0:
                 flat = flat.clone()
-                comm.broadcast(flat, placement.group)
+                comm.broadcast(flat, placement.group)  # staged through the group's device if needed
             h = ParamHandle(name, p.shape, p.dtype, p.requires_grad, placement, flat, param=p)
             _handles[h.uid] = h
             setattr(p, UID_ATTR, h.uid)

@@ -25,7 +25,8 @@ into caller-owned tensors.  Design choices, and why:
   after a write sees the write); requests on different keys run
   concurrently.
 * No leaks.  Each engine owns ``<nvme_path>/zinf-<pid>-rank<r>-<random>``
-  (mode 0700), removed by :meth:`SwapEngine.close`, by garbage collection or
+  (mode 0700), removed by :meth:`SwapEngine.close` (called when the model's
+  ``RuntimeContext`` that owns the engine is freed), by garbage collection or
   at interpreter exit; directories of dead runs (their ``.lock`` no longer
   flock-held) are swept when a new engine starts.
 
@@ -390,8 +391,14 @@ class SwapEngine:
             return s
 
     def close(self) -> None:
-        """Finish pending IO, stop the threads and delete the swap directory."""
-        if self._closed:
+        """Finish pending IO, stop the threads and delete the swap directory.
+
+        A no-op once the finalizer ran (garbage collection, or interpreter exit, where finalizers
+        run newest first: an engine's own before its owning context's): its IO threads are gone,
+        so waiting for IO still queued would never return.
+        """
+        if self._closed or not self._finalizer.alive:
+            self._closed = True
             return
         self.wait_all()
         with self._lock:

@@ -6,8 +6,15 @@ the same code serves every combination of ``offload_params`` and ``offload_optim
     memory tier:  slot.get() -> the resident tensor (mutable in place); slot.set(t) copies into it
     nvme tier:    slot.get() -> a fresh CPU tensor read from disk;      slot.set(t) writes a new version
 
-Swap engines are per process, one per (settings, rank): each owns its own 0700 folder under
-``nvme_path``, removed at exit.
+A slot belongs to one model's ``RuntimeContext`` (``zinf_runtime.context``): its bytes are counted
+in that model's accounting, its NVMe IO goes through that context's swap engine (one per settings
+and rank, with its own 0700 folder under ``nvme_path``, removed when the context is freed or at
+exit) and its host buffers come from that context's pool.
+
+Host memory of a slot may be read or written by asynchronous device work (CUDA copies and Triton
+kernels): ``slot.fence`` orders the host after it, and every host accessor waits on it
+(``zinf_runtime.hostsync``). Slot memory is also tagged so ``comm``'s strict mode can refuse it as
+a collective's buffer.
 """
 
 from __future__ import annotations
@@ -16,57 +23,68 @@ import collections
 import ctypes
 import os
 import threading
+import warnings
+import weakref
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 import torch
 
-from . import accounting
+from . import accounting, comm, hostsync
 from .swap import SwapConfig, SwapEngine, SwapHandle
 
-_engines: Dict[Tuple[SwapConfig, int], SwapEngine] = {}
-_engines_lock = threading.Lock()
-
+if TYPE_CHECKING:
+    from .context import RuntimeContext
 
 def engine(cfg: SwapConfig, rank: int) -> SwapEngine:
-    """The process's swap engine for these settings and rank (created on first use)."""
-    with _engines_lock:
-        eng = _engines.get((cfg, rank))
-        if eng is None:
-            eng = SwapEngine(cfg, rank)
-            _engines[(cfg, rank)] = eng
-            _fix_mmap_threshold()
-        return eng
+    """The default context's swap engine for these settings and rank (direct runtime users)."""
+    from .context import DEFAULT
+
+    return DEFAULT.engine(cfg, rank)
 
 
-_malloc_tuned = False
+#: every live swap engine of every context, by (context id, settings, rank): a view for reports
+_engines: "weakref.WeakValueDictionary[Tuple[int, SwapConfig, int], SwapEngine]" = weakref.WeakValueDictionary()
+
+_GLIBC_MMAP_THRESHOLD_MAX = 32 << 20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit glibc
+_malloc_threshold: Optional[int] = None
 
 
-def _fix_mmap_threshold() -> None:
-    """Serve host buffers of 1 MiB and more from mmap, so freeing them returns them to the OS.
+def set_malloc_mmap_threshold(nbytes: int) -> bool:
+    """Fix glibc's mmap threshold at ``nbytes`` (option ``malloc_mmap_threshold``; off by default).
 
-    Streaming model states through NVMe allocates and frees many 4-64 MiB host tensors; glibc's
-    default raises its mmap threshold after the first large free and then keeps such blocks in its
-    heap: measured here, peak RSS reached 0.5-1.1x the model states it was meant to keep on disk,
-    against ~0.34x with a fixed threshold. Buffers are reused through ``pool``, which keeps the extra
-    page faults of mmap low. ``ZINF_MALLOC_MMAP_THRESHOLD=0`` leaves the allocator alone.
+    Why it is an option: glibc's threshold is *dynamic*. It starts at 128 KiB and rises to the size
+    of each mmapped block freed, up to 32 MiB. Host buffers over 32 MiB therefore always get a fresh
+    mmap (zero-filled, one page fault per 4 KiB on first touch, munmap on free): every fetch or NVMe
+    read of such a shard pays that again. Buffers below end up in glibc's heap, which keeps freed
+    blocks: streaming NVMe state through 4-64 MiB buffers then left peak RSS at 0.5-1.1x the model
+    states meant to stay on disk (measured, benchmarks/nvme_rss.py), against ~0.34x with a fixed 1 MiB
+    threshold (every large buffer its own mmap, returned to the OS on free; zinf's ``BufferPool``
+    reuses them, which keeps the page faults low). Fixing it is a process-wide glibc setting, which
+    changes every other library's allocations too, so zinf never does it unless asked, and never
+    undoes it (glibc cannot restore the dynamic behaviour). Returns whether glibc accepted it.
     """
-    global _malloc_tuned
-    if _malloc_tuned:
-        return
-    _malloc_tuned = True
-    threshold = int(os.environ.get("ZINF_MALLOC_MMAP_THRESHOLD", 1 << 20))
-    if threshold <= 0:
-        return
+    global _malloc_threshold
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 < nbytes <= _GLIBC_MMAP_THRESHOLD_MAX:
+        raise ValueError(f"malloc_mmap_threshold must be an int in 1..{_GLIBC_MMAP_THRESHOLD_MAX} bytes "
+                         f"(glibc's limit), got {nbytes!r}")
+    if _malloc_threshold == nbytes:
+        return True
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD (glibc); fixed, so no dynamic raising
+        ok = bool(libc.mallopt(-3, nbytes))  # M_MMAP_THRESHOLD (glibc); fixed, so no dynamic raising
     except (OSError, AttributeError):  # not glibc: nothing to tune
-        pass
+        ok = False
+    if ok:
+        _malloc_threshold = nbytes
+    else:
+        warnings.warn(f"zinf: could not set glibc's mmap threshold to {nbytes} (not glibc?); "
+                      "option malloc_mmap_threshold has no effect here", RuntimeWarning, stacklevel=2)
+    return ok
 
 
 class BufferPool:
-    """Reusable host buffers for NVMe reads and writes, by byte size.
+    """Reusable host buffers for NVMe reads and writes, by byte size (one pool per model context).
 
     Every read wants a fresh host tensor and every write must keep its source alive until the disk
     has it; allocating those anew each time (4-64 MiB apiece) leaves glibc holding gigabytes of
@@ -80,6 +98,10 @@ class BufferPool:
         self._idle = 0
         self._lock = threading.Lock()
 
+    @property
+    def idle_bytes(self) -> int:
+        return self._idle
+
     def acquire(self, numel: int, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
         nbytes = numel * dtype.itemsize
         with self._lock:
@@ -90,8 +112,11 @@ class BufferPool:
         raw = torch.empty(nbytes, dtype=torch.uint8)
         return (raw.pin_memory() if pin else raw).view(dtype)
 
-    def release(self, t: torch.Tensor) -> None:
-        """Give back a buffer from ``acquire`` (nothing may use it afterwards)."""
+    def release(self, t: torch.Tensor, fence: Optional[hostsync.Fence] = None) -> None:
+        """Give back a buffer from ``acquire`` (nothing may use it afterwards). ``fence``: device work
+        still reading or writing it, waited for first, so the next ``acquire`` gets an idle buffer."""
+        if fence is not None:
+            fence.wait()
         raw = t.view(torch.uint8) if t.dtype != torch.uint8 else t
         nbytes = raw.numel()
         with self._lock:
@@ -99,38 +124,48 @@ class BufferPool:
                 self._free.setdefault((nbytes, raw.is_pinned()), []).append(raw)
                 self._idle += nbytes
 
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self._idle = 0
 
-pool = BufferPool()
 
-# NVMe writes in flight, oldest first: their source buffers stay resident until the disk has them, so
-# their bytes are capped (the producer then waits for the disk, which is the real bound anyway)
-_inflight: "collections.deque[Slot]" = collections.deque()
-_inflight_bytes = 0
-_inflight_lock = threading.Lock()
 WRITE_INFLIGHT_CAP = int(os.environ.get("ZINF_NVME_WRITE_INFLIGHT", 128 << 20))
 
 
-def _track_write(slot: "Slot") -> None:
-    global _inflight_bytes
-    with _inflight_lock:
-        _inflight.append(slot)
-        _inflight_bytes += slot.nbytes
-    while True:
-        with _inflight_lock:
-            if _inflight_bytes <= WRITE_INFLIGHT_CAP or not _inflight:
+class WriteTracker:
+    """NVMe writes in flight, oldest first (one tracker per model context): their source buffers stay
+    resident until the disk has them, so their bytes are capped (the producer then waits for the
+    disk, which is the real bound anyway)."""
+
+    def __init__(self, cap_bytes: int = WRITE_INFLIGHT_CAP):
+        self.cap_bytes = cap_bytes
+        self._inflight: "collections.deque[Slot]" = collections.deque()
+        self.bytes = 0
+        self._lock = threading.Lock()
+
+    def track(self, slot: "Slot") -> None:
+        with self._lock:
+            self._inflight.append(slot)
+            self.bytes += slot.nbytes
+        while True:
+            with self._lock:
+                if self.bytes <= self.cap_bytes or not self._inflight:
+                    return
+                oldest = self._inflight[0]
+            oldest.flush()
+
+    def untrack(self, slot: "Slot") -> None:
+        with self._lock:
+            try:
+                self._inflight.remove(slot)
+            except ValueError:
                 return
-            oldest = _inflight[0]
-        oldest.flush()
+            self.bytes -= slot.nbytes
 
 
-def _untrack_write(slot: "Slot") -> None:
-    global _inflight_bytes
-    with _inflight_lock:
-        try:
-            _inflight.remove(slot)
-        except ValueError:
-            return
-        _inflight_bytes -= slot.nbytes
+pool = BufferPool()  # the default context's pool (direct runtime users)
+_default_writes = WriteTracker()
 
 
 @dataclass
@@ -145,12 +180,27 @@ class Slot:
     swap: Optional[SwapEngine] = None
     key: str = ""
     pin: bool = False
+    ctx: Optional["RuntimeContext"] = None  # None: the default context
 
     def __post_init__(self) -> None:
+        if self.ctx is None:
+            from .context import DEFAULT
+
+            self.ctx = DEFAULT
         self._mem: Optional[torch.Tensor] = None
         self._written = False
         self._pending: Optional[SwapHandle] = None
         self._pending_buffer: Optional[torch.Tensor] = None  # a pool buffer the pending write reads
+        self.fence = hostsync.Fence()  # device work in flight on _mem
+
+    @property
+    def accounting(self) -> accounting.Accounting:
+        return self.ctx.accounting
+
+    @property
+    def pool(self) -> BufferPool:
+        """The host buffer pool of this slot's context (take NVMe read buffers from here)."""
+        return self.ctx.pool
 
     @property
     def nbytes(self) -> int:
@@ -161,34 +211,46 @@ class Slot:
         return self._mem is not None or self._written
 
     def resident(self) -> Optional[torch.Tensor]:
-        """The in-memory tensor of a memory-tier slot (None on NVMe or when empty)."""
+        """The in-memory tensor of a memory-tier slot, safe for the host to read and write (None on
+        NVMe or when empty): device work still using it is waited for first."""
+        self.fence.wait()
         return self._mem
+
+    def resident_for_device(self) -> Optional[torch.Tensor]:
+        """The in-memory tensor *without* waiting: only to enqueue device work on it (then
+        ``fence.record`` it), or for host reads of memory no device work writes (parameter slots)."""
+        return self._mem
+
+    def _alloc(self) -> None:
+        self._mem = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        if self.pin:
+            self._mem = self._mem.pin_memory()
+        comm.tag_slot(self._mem, self.key or self.kind)
+        self.accounting.add(self.tier, self.kind, self.nbytes)
 
     def set(self, value: torch.Tensor, donate: bool = False, recycle: bool = False) -> None:
         """Store ``value``. It is copied, unless ``donate``: then, on NVMe, the caller hands it over
-        and must not change it; with ``recycle`` it goes back to ``pool`` once written."""
+        and must not change it; with ``recycle`` it goes back to the pool once written."""
         if self.tier != "nvme":
             if self._mem is None:
-                self._mem = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-                if self.pin:
-                    self._mem = self._mem.pin_memory()
-                accounting.add(self.tier, self.kind, self.nbytes)
+                self._alloc()
+            self.fence.wait()  # an upload may still read, or an accumulate still write, _mem
             self._mem.copy_(value.reshape(-1))
             return
         self.flush()  # one write in flight per slot: its buffer is recycled before the next
         data = value.detach().reshape(-1).to("cpu", self.dtype)
         if data.data_ptr() == value.data_ptr() and not donate:
             # the write is asynchronous: the caller may change value afterwards
-            data = pool.acquire(self.numel, self.dtype)
+            data = self.pool.acquire(self.numel, self.dtype)
             data.copy_(value.reshape(-1))
             self._pending_buffer = data
         else:
             self._pending_buffer = data if (donate and recycle and data.data_ptr() == value.data_ptr()) else None
         if not self._written:
-            accounting.add("nvme", self.kind, self.nbytes)
+            self.accounting.add("nvme", self.kind, self.nbytes)
         self._pending = self.swap.write(self.key, data)
         self._written = True
-        _track_write(self)
+        self.ctx.writes.track(self)
 
     def get(self) -> torch.Tensor:
         """The value: the resident tensor, or a fresh CPU tensor read from disk."""
@@ -203,7 +265,7 @@ class Slot:
         if self.tier != "nvme":
             if self._mem is None:
                 raise RuntimeError(f"zinf: slot {self.key or self.kind} is empty")
-            return self._mem, None
+            return self.resident(), None
         self.flush()  # a failed write (disk full) surfaces here, naming the path, not as a bad read
         if not self._written:
             raise RuntimeError(f"zinf: swap key {self.key} was never written")
@@ -216,29 +278,31 @@ class Slot:
     def flush(self) -> None:
         """Wait for this slot's last write (so its error, e.g. disk full, surfaces here)."""
         if self._pending is None:
-            _untrack_write(self)
+            self.ctx.writes.untrack(self)
         else:
             h, self._pending = self._pending, None
-            _untrack_write(self)
+            self.ctx.writes.untrack(self)
             try:
                 h.wait()
                 buf, self._pending_buffer = self._pending_buffer, None
                 if buf is not None:
-                    pool.release(buf)
+                    self.pool.release(buf)
             except Exception:
                 if self._written and not self.swap.exists(self.key):  # no earlier version survives
                     self._written = False
-                    accounting.sub("nvme", self.kind, self.nbytes)
+                    self.accounting.sub("nvme", self.kind, self.nbytes)
                 raise
 
     def drop(self) -> None:
-        """Free the slot's memory or file."""
+        """Free the slot's memory or file (after device work still using the memory)."""
         if self._mem is not None:
-            accounting.sub(self.tier, self.kind, self.nbytes)
+            self.fence.wait()  # pinned memory freed under a running kernel could be handed out again
+            self.accounting.sub(self.tier, self.kind, self.nbytes)
             self._mem = None
         if self._written:
             self._pending = None
-            _untrack_write(self)
+            self._pending_buffer = None
+            self.ctx.writes.untrack(self)
             self.swap.remove(self.key)
-            accounting.sub("nvme", self.kind, self.nbytes)
+            self.accounting.sub("nvme", self.kind, self.nbytes)
             self._written = False

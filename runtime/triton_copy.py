@@ -208,7 +208,11 @@ _table_cache: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 
 
 def _table_tensor(values: tuple, device: torch.device) -> torch.Tensor:
-    """Segment table on ``device``, cached: same integers -> same table, always valid."""
+    """Segment table on ``device``, cached: same integers -> same table, always valid.
+
+    The upload is ``non_blocking`` from a temporary pinned tensor freed at return: safe, since
+    ``copy_`` records the copy on the caching host allocator, which reuses the block only after it.
+    """
     key = (str(device), values)
     hit = _table_cache.get(key)
     if hit is not None:
@@ -310,8 +314,12 @@ def gather_cast(
     ``offsets`` defaults to packing back to back from 0. Sources share one dtype
     (fp32/fp16/bf16); ``out`` is fp32/fp16/bf16. On CUDA the sources may be
     pinned host tensors, read in place over PCIe; like a ``non_blocking`` copy,
-    they must not be modified until the current stream has passed this kernel.
-    Returns ``out``.
+    they must not be modified until the current stream has passed this kernel,
+    nor freed: torch's caching host allocator tracks ``copy_`` uses of pinned
+    blocks, not this kernel's, and could hand a freed source out again while it
+    is read. Record a ``zinf_runtime.hostsync.Fence`` right after the call and
+    wait on it before touching the sources (``store.fetch_shard`` does; its
+    slots' host accessors wait). Returns ``out``.
     """
     _require_triton()
     block = _check_block(block_size)
@@ -365,6 +373,14 @@ def scatter_accumulate(
     back. On CUDA the destinations may be pinned host shards, updated in place
     over PCIe; they must not alias each other. The update is one fp32 FMA,
     ``fma(x, scale, dst)``, like torch's ``dst.add_(x, alpha=scale)``.
+
+    On CUDA this returns while the kernel may still be writing the host shards:
+    the host must not read, write or free them before the current stream has
+    passed it. Record a ``zinf_runtime.hostsync.Fence`` right after the call and
+    wait on it first (``store`` records it on the gradient slot, whose host
+    accessors, used by the optimizer, clipping and ``zero_grad``, wait). ``src``
+    needs no keep-alive: the device caching allocator reuses its block only in
+    stream order, after the kernel.
     """
     _require_triton()
     block = _check_block(block_size)

@@ -228,6 +228,26 @@ def test_dir_private_and_removed_on_close(tmp_path):
     assert not os.path.exists(d2)
 
 
+def test_close_after_the_finalizer_ran_returns(tmp_path):
+    """At interpreter exit an engine's finalizer (IO threads stopped, folder removed) runs before its
+    owning context's, which then calls close(): waiting for IO still queued would hang the exit."""
+    import threading
+
+    e = SwapEngine(small_cfg(tmp_path))
+    e.write("k", torch.ones(5000)).wait()
+    d = e.dir
+    e._finalizer()  # what garbage collection / atexit does
+    assert not os.path.exists(d)
+    with e._lock:
+        e._inflight += 1  # a request queued behind the stopped threads, never to finish
+    t = threading.Thread(target=e.close, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "close() waited for IO that can no longer run"
+    with pytest.raises(RuntimeError, match="closed"):
+        e.write("k", torch.ones(1))
+
+
 def run_py(code: str, **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           timeout=60, env={**os.environ, **env})

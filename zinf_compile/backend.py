@@ -20,6 +20,7 @@ import logging
 import re
 import sys
 import warnings
+import weakref
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -84,7 +85,10 @@ def zinf_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], option
         warnings.warn(f"zinf: torch.compile mode={mode!r} is ignored; zinf uses its own options")
     if kwargs:
         raise ValueError(f"zinf backend: unexpected arguments {sorted(kwargs)}; pass settings in options={{...}}")
-    return compile_graph(gm, list(example_inputs), cfg)
+    # one torch.compile call hands every graph the same options object: its parameters share a context
+    with zinf_runtime.compiling(options, device_memory_budget=cfg.device_memory_budget,
+                                malloc_mmap_threshold=cfg.malloc_mmap_threshold):
+        return compile_graph(gm, list(example_inputs), cfg)
 
 
 def _fp32_holds(dtype: torch.dtype) -> bool:
@@ -198,7 +202,6 @@ def _fall_back(gm: torch.fx.GraphModule, params: dict[int, ParamInfo], cfg: Conf
 def _compile_partitioned(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: Config,
                          params: dict[int, ParamInfo], record: Any, device_type: str) -> Callable:
     ctx = CompileContext(cfg, params, record, device_type)
-    zinf_runtime.accounting.set_device_memory_budget(cfg.device_memory_budget)
     gm = _torch_compat.detach_dynamo_graph(gm)
     gm = run_passes(gm, example_inputs, DYNAMO_PASSES, ctx=ctx, stage="dynamo")
     inputs = example_inputs + [_torch_compat.static_fake_like(t, example_inputs) for t in ctx.extra_inputs]
@@ -232,10 +235,11 @@ def _with_extra_inputs(compiled: Callable, extra: List[Any], specs: List[Tuple[i
     if not extra:
         return compiled
     boxed = getattr(compiled, "_boxed_call", False)
-    compiled_weights = {idx: example_inputs[idx] for idx, _ in specs}
+    # weakly: Dynamo's cache keeps this closure, which must not keep a deleted model's weights alive
+    compiled_weights = {idx: weakref.ref(example_inputs[idx]) for idx, _ in specs}
 
     def tiles_for(args: Sequence[Any]) -> List[Any]:
-        if all(args[idx] is w for idx, w in compiled_weights.items()):
+        if all(args[idx] is w() for idx, w in compiled_weights.items()):
             return extra
         out = []
         for idx, tile_uid in specs:

@@ -57,7 +57,13 @@ class Config:
     device_memory_budget: bytes of materialized parameters and gradients allowed on the compute
         device. Tile counts are then chosen so each operator's working memory (weight tile + its
         gradient) fits in half of it, and the runtime raises a clear out-of-memory error, naming
-        the tensor and the bytes, rather than exceed it (emulates a GPU's limit on CPU).
+        the tensor and the bytes, rather than exceed it (emulates a GPU's limit on CPU). It is this
+        model's own: another model compiled in the same process keeps its own budget.
+    malloc_mmap_threshold: None (default) leaves glibc's allocator alone; bytes (1..32 MiB) fix its
+        mmap threshold, process-wide, when this model is compiled. glibc's dynamic threshold gives
+        host buffers over 32 MiB a fresh mmap and page faults on every fetch, and keeps smaller freed
+        buffers in its heap (RSS grows when streaming NVMe state); a fixed 1 MiB returns them to the
+        OS (``zinf_runtime.tiers.set_malloc_mmap_threshold`` has the measurements).
     """
 
     offload_params: str = "none"
@@ -77,6 +83,7 @@ class Config:
     tile_threshold_bytes: int = 1 << 30
     tiles: Optional[int] = None
     device_memory_budget: Optional[int] = None
+    malloc_mmap_threshold: Optional[int] = None
 
     def __post_init__(self) -> None:
         for key, choices in _CHOICES.items():
@@ -110,6 +117,11 @@ class Config:
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"zinf option {key!r}: invalid value {value!r}; expected an int >= {minimum}"
                                  + ("" if key == "tile_threshold_bytes" else " or None"))
+        mmap_max = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
+        value = self.malloc_mmap_threshold
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= mmap_max):
+            raise ValueError(f"zinf option 'malloc_mmap_threshold': invalid value {value!r}; expected None or an "
+                             f"int of bytes in 1..{mmap_max} (glibc's limit), e.g. {1 << 20}")
         if self.process_group is not None:
             import torch.distributed as dist
 
