@@ -25,6 +25,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import pytest
 import torch
+
+# every collective the runtime issues is checked: on the group's device, never a tier slot's memory
+os.environ.setdefault("ZINF_STRICT_COMM", "1")
 import torch.nn.functional as F
 
 import zinf_compile
