@@ -15,7 +15,9 @@ A ratio above 1 means the two sides did not do the same work, so this script mak
   layout and whatever cache sits below the guest are the same for both.
 * **O_DIRECT on both sides**, and it is checked rather than assumed: the bytes that the block device
   actually moved during each phase (``/proc/diskstats``) are reported next to the payload. If a side
-  moved much less than its payload, the page cache served it, and no ratio is printed.
+  moved much less than its payload, the page cache served it, and no ratio is printed. With the
+  guest's page cache bypassed (and checked), dropping caches is not needed; a cache below a VM (the
+  host's) cannot be dropped from inside it, and only a ``--size-gib`` larger than that cache defeats it.
 * **The disk's ceiling.** ``fio_libaio_deep`` runs the same files with 4x the requests in flight:
   not the same IO, but what the disk can do. "best fio" includes it, so an engine/best-fio ratio
   above 1 would mean the engine outran every fio configuration tried.
