@@ -79,7 +79,7 @@ DIRECT_SHARE = 0.9  # a side whose block device moved less than this share of it
 # ---------------------------------------------------------------------------------------------
 
 def block_device(path: str) -> Optional[str]:
-    """The /proc/diskstats name of the whole disk holding ``path`` (None if it cannot be found)."""
+    """The /proc/diskstats name of the block device holding ``path`` (None: tmpfs, overlay, ...)."""
     dev = os.stat(path).st_dev
     sysfs = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
     try:
@@ -88,10 +88,7 @@ def block_device(path: str) -> Optional[str]:
         return None
     if not os.path.exists(real):
         return None
-    name = os.path.basename(real)
-    if os.path.exists(os.path.join(real, "partition")):  # a partition counts in its own row too
-        return name
-    return name
+    return os.path.basename(real)  # a partition has its own /proc/diskstats row, like a whole disk
 
 
 def disk_counters(dev: Optional[str]) -> Tuple[int, int, int, int]:
