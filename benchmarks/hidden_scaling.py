@@ -241,8 +241,9 @@ def table(rows: List[Dict[str, Any]]) -> str:
             f"{fmt_bytes(r.get('peak_gathered')):>9} {r.get('tiles_planned', '-')!s:>6} "
             f"{'-' if step is None else f'{step:.2f}':>8} {'-' if rss is None else f'{rss / 2**20:.2f}':>8} "
             f"{'-' if load is None else f'{load[0]:.2f}':>5}")
-    lines.append("est GiB = model states at 16 B/param (from 12*layers*hd^2 + vocab*hd); mat. = peak param+grad "
-                 "working memory (gathered + live full gradients) during the step; tiles = tiles_planned of the "
+    lines.append("est GiB = model states at 16 B/param (from 12*layers*hd^2 + vocab*hd); mat. = ACCOUNTING, not a "
+                 "measurement: peak of memory_stats()['device']['materialized'] (gathered params + live full "
+                 "gradients as the runtime registers them) during the step; tiles = tiles_planned of the "
                  "last compiled graph; step s = the one step incl. compilation; RSS = the attempt's peak resident set")
     files = sorted({r["zinf_compile_file"] for r in rows if r.get("zinf_compile_file")})
     lines.append(f"zinf_compile imported from: {', '.join(files) or '?'}")

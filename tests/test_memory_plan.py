@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 
@@ -172,3 +173,141 @@ def test_split_tiers_place_masters_and_parameter_copies(planned, tmp_path):
     assert split.peak("nvme", "param") == masters  # the fp32 parameter copy that fetches read, on NVMe
     assert split.peak("device", "param") == 0 and split.peak("nvme", "optim") == 0
     assert split.peak("device", "gathered") == plan.peak("device", "gathered")
+
+
+# -- the plan against the runtime: under Inductor, and on NVMe --------------------------------------
+
+SHARD_KINDS = ("param", "grad", "optim")
+
+
+def _shard_bytes() -> dict:
+    """The runtime's accounting of shard bytes now, per (tier, kind) (process-wide: use deltas; models
+    of earlier tests that are garbage are collected first, so they cannot leave in between)."""
+    gc.collect()
+    stats = zinf_compile.memory_stats()
+    return {(t, k): stats[t][k]["current"] for t in TIERS for k in SHARD_KINDS}
+
+
+def _allocation_peak(prof) -> int:
+    """Largest running sum of the profiler's CPU allocation events (see benchmarks/memory_plan_accuracy.py)."""
+    from torch._C._profiler import _EventType
+
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+            events.append((e.start_time_ns, e.extra_fields.alloc_size))
+    cur = peak = 0
+    for _, size in sorted(events):
+        cur += size
+        peak = max(peak, cur)
+    return peak
+
+
+def _step_peak_plan(plan: MemoryPlan) -> int:
+    """The plan's peak of memory allocated during the step (device + cpu; no resident shards, no disk)."""
+    diff = [0] * (len(plan.steps) + 1)
+    for iv in plan.intervals:
+        if iv.tier == "nvme" or iv.role in ("input", "shard", "scalar", "param_copy"):
+            continue
+        diff[iv.start] += int(iv.nbytes)
+        diff[iv.end + 1] -= int(iv.nbytes)
+    cur = peak = 0
+    for d in diff[:-1]:
+        cur += d
+        peak = max(peak, cur)
+    return peak
+
+
+def _swap_files(folder: str, timeout_s: float = 60.0) -> dict:
+    """Sizes of the swap engine's files under ``folder`` once no write is in flight (no ``*.tmp`` left)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        sizes, pending = {}, False
+        for root, _, names in os.walk(folder):
+            for n in names:
+                pending |= n.endswith(".tmp")
+                if n.startswith("k_") and not n.endswith(".tmp"):
+                    sizes[os.path.join(root, n)] = os.path.getsize(os.path.join(root, n))
+        if not pending:
+            return sizes
+        assert time.monotonic() < deadline, f"swap writes still in flight after {timeout_s} s"
+        time.sleep(0.05)
+
+
+def test_plan_matches_the_runtime_under_inductor():
+    """compiler="inductor": the zinf figures are exact against the runtime's accounting, and the plan's
+    step peak bounds the CPU allocator's measured peak from above (Inductor only fuses and reuses)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    x, y = make_batch(CFG, 2, seed=0)
+    plan = zinf_compile.memory_plan(model, (x, y), compiler="inductor", offload_params="cpu",
+                                    offload_optimizer="cpu")
+    before = _shard_bytes()
+    cm = torch.compile(model, backend="zinf", options={"compiler": "inductor", "offload_params": "cpu",
+                                                       "offload_optimizer": "cpu"})
+    opt = zinf_compile.optim.SGD(model.parameters(), lr=0.0)
+    cm(x, y).backward()  # compile
+    opt.zero_grad()
+    zinf_compile.reset_peak_memory_stats()
+    gathered0 = zinf_compile.memory_stats()["device"]["gathered"]["current"]
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        cm(x, y).backward()
+    after = _shard_bytes()
+    gathered = zinf_compile.memory_stats()["device"]["gathered"]["peak"] - gathered0
+    assert zinf_compile.compile_records()[-1].config.compiler == "inductor"
+    assert plan.peak("device", "gathered") == gathered > 0
+    for t in TIERS:
+        for k in SHARD_KINDS:
+            assert plan.peak(t, k) == after[(t, k)] - before[(t, k)], (t, k)
+    measured, predicted = _allocation_peak(prof), _step_peak_plan(plan)
+    assert 0 < measured <= predicted, (measured, predicted)
+    torch._dynamo.reset()
+
+
+def test_nvme_plan_counts_files_on_nvme_and_host_buffers_on_cpu(tmp_path):
+    """offload nvme/nvme: every shard is a file, so its bytes are on the nvme tier (as the runtime
+    accounts them; with the 4 KiB padding, as the swap folder holds them), and only the host buffers
+    of the IO and Adam's in-memory step counters are on cpu."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    x, y = make_batch(CFG, 2, seed=0)
+    (tmp_path / "plan").mkdir()
+    (tmp_path / "run").mkdir()
+    opts = {"offload_params": "nvme", "offload_optimizer": "nvme", "nvme_path": str(tmp_path / "run")}
+    plan = zinf_compile.memory_plan(model, (x, y), optimizer="adamw", **{**opts, "nvme_path": str(tmp_path / "plan")})
+    params = list(model.parameters())
+    fp32 = sum(p.numel() * 4 for p in params)
+    assert plan.peak("nvme", "param") == fp32 and plan.peak("nvme", "grad") == fp32  # dp 1: shard = parameter
+    assert plan.peak("nvme", "optim") == 2 * fp32  # exp_avg, exp_avg_sq
+    assert plan.peak("cpu", "param") == plan.peak("cpu", "grad") == 0
+    assert plan.peak("cpu", "optim") == 4 * len(params)  # one fp32 ``step`` per parameter, in memory
+    assert plan.peak("device", "param") == plan.peak("device", "grad") == 0
+    assert plan.peak("cpu", "staging") > 0  # reads land in host buffers; writes send host copies
+    assert all(iv.role in ("read_buffer", "write_buffer") for iv in plan.intervals if iv.kind == "staging")
+    pad = lambda n: -(-n // 4096) * 4096  # noqa: E731
+    assert plan.nvme_file_bytes() == sum(4 * pad(p.numel() * 4) for p in params)
+
+    before = _shard_bytes()
+    cm = torch.compile(model, backend="zinf", options={"compiler": "eager", **opts})
+    opt = zinf_compile.optim.AdamW(model.parameters(), lr=1e-3)
+    cm(x, y).backward()
+    opt.step()  # the moments are written now: every file of the plan exists
+    after = _shard_bytes()
+    for k in SHARD_KINDS:  # the runtime's accounting
+        assert plan.peak("nvme", k) == after[("nvme", k)] - before[("nvme", k)], k
+        assert after[("device", k)] == before[("device", k)], k
+    assert after[("cpu", "param")] == before[("cpu", "param")]
+    assert after[("cpu", "grad")] == before[("cpu", "grad")]
+    files = _swap_files(str(tmp_path / "run"))  # a measurement: what is on disk
+    assert len(files) == 4 * len(params)
+    assert sum(files.values()) == plan.nvme_file_bytes()
+    del cm, opt
+    torch._dynamo.reset()

@@ -16,7 +16,19 @@ tensor gets a live interval on the schedule (forward nodes, then backward nodes)
 
 ``<tier>``: fp32 masters, gradient shards and optimizer state live where ``offload_optimizer`` puts
 them; a separate parameter copy (``param_copy``) lives where ``offload_params`` puts it when the two
-tiers differ (``device``, ``cpu`` or ``nvme``). Summing the intervals live at each step gives bytes per tier and kind
+tiers differ (``device``, ``cpu`` or ``nvme``). On ``nvme`` a shard is a file: its bytes count on the
+``nvme`` tier (payload, as the runtime's accounting counts them; ``plan.nvme_file_bytes()`` adds the
+4096-byte padding of each file, i.e. what the swap folder holds), never on ``cpu``. What NVMe IO
+needs in host memory is the ``cpu`` tier's ``staging`` kind::
+
+    cpu     staging      read_buffer:  the host buffer a fetch reads a shard into (+ its cast), at the fetch
+                         write_buffer: the host copy of a gradient shard an asynchronous write sends, from
+                                       its reduce_grad to the end of the step (the runtime also caps the
+                                       bytes in flight, ZINF_NVME_WRITE_INFLIGHT, so for big models this
+                                       is an upper bound)
+    cpu     optim        scalar: Adam's ``step`` per parameter, kept in memory beside NVMe moments
+
+Summing the intervals live at each step gives bytes per tier and kind
 over the schedule; the predicted peak is its maximum. ``plan.table()`` prints (``zinf memplan gpt
 --layers 2 --hidden 64 --seq 32 --batch 4 --vocab 128``)::
 
@@ -45,9 +57,13 @@ green, activation blue; red line = peak, black line = forward/backward boundary)
 plan is also written there as plan.json / plan.txt; ``zinf memplan`` is the command-line front end.
 
 The figures model the graphs executed as plain FX code in graph order (``compiler="eager"``): on the
-GPT model they match the CPU allocator's peak during a step to the byte, and the gathered peak matches
-``zinf_compile.memory_stats()`` exactly (benchmarks/memory_plan_accuracy.py). Inductor fuses and
-reuses buffers, so for it the activation figures are an estimate (usually an upper bound). With several
+GPT model they match the CPU allocator's peak during a step to the byte, and the gathered peak and the
+shard bytes of every tier match ``zinf_compile.memory_stats()`` exactly (benchmarks/memory_plan_accuracy.py).
+With ``compiler="inductor"`` the plan reads the same graphs before Inductor lowers them: the zinf
+figures (gathered, shards per tier) still matched the runtime's accounting exactly on the GPT model
+(the zinf ops stay opaque fallback kernels), but Inductor fuses away intermediates and reuses
+buffers, so the activation figures are an estimate: the step peak was an upper bound in every
+measured configuration, 0.80-0.91x of the plan (tests/test_memory_plan.py checks the bound). With several
 Dynamo graphs (graph breaks) the plan concatenates them and counts a tensor handed from one graph to
 the next twice.
 """
@@ -73,6 +89,7 @@ import torch
 import torch.fx
 
 from zinf_runtime import store
+from zinf_runtime.swap import ALIGN as SWAP_ALIGN
 
 from .analytic import human_bytes
 from .config import Config
@@ -81,7 +98,7 @@ from .pipeline import CompileRecord, compile_records
 
 Bytes = Union[int, sympy.Expr]
 TIERS = ("device", "cpu", "nvme")
-KINDS = ("activation", "gathered", "grad_buffer", "param", "grad", "optim")
+KINDS = ("activation", "gathered", "grad_buffer", "param", "grad", "optim", "staging")
 _OPTIM_BYTES = {None: (0, 0), "adam": (8, 4), "adamw": (8, 4), "sgd": (4, 0)}  # per element, per param
 _MAYBE_ALIAS = {torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
                 torch.ops.aten.contiguous.default, torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout}
@@ -327,7 +344,14 @@ class _Builder:
                     nb = shard_numel * torch.empty((), dtype=pdtype).element_size()
                     self._once(("pcopy", uid), Interval(f"copy:{param}", tier, "param", "param_copy", nb,
                                                         0, self.END, "end", (), param))
-                if dtype != torch.float32:
+                if tier == "nvme":  # read into a host buffer, copied to the device at once (ParamHandle.fetch_shard)
+                    src_dtype = pdtype if not shared else torch.float32
+                    nb = shard_numel * torch.empty((), dtype=src_dtype).element_size()
+                    if dtype != src_dtype:  # + the cast on the host, as transient
+                        nb = nb + shard_numel * torch.empty((), dtype=dtype).element_size()
+                    self.extra.append(Interval(f"{stage}:{n.name}", "cpu", "staging", "read_buffer", nb, pos[n],
+                                               pos[n], f"{stage}:{n.name}", (), param))
+                elif dtype != torch.float32:  # memory tiers cache the compute-dtype copy until the step
                     nb = shard_numel * torch.empty((), dtype=dtype).element_size()
                     self._once(("copy", uid, dtype), Interval(f"{stage}:{n.name}", tier, "param", "compute_copy",
                                                               nb, pos[n], self.END, "end", (), param))
@@ -337,10 +361,20 @@ class _Builder:
                 shard_numel = _expr(grad.meta["val"].numel()) if "val" in grad.meta else 0
             self._once(("grad", uid), Interval(f"{stage}:{n.name}", otier, "grad", "shard", 4 * shard_numel,
                                                pos[n], self.END, "end", (), param))
+            if otier == "nvme":  # the asynchronous write's source: a host copy of the shard, live until written
+                self._once(("wbuf", uid), Interval(f"{stage}:{n.name}", "cpu", "staging", "write_buffer",
+                                                   4 * shard_numel, pos[n], self.END, "end", (), param))
             per_el, per_param = self.optim
-            if per_el:
+            if per_el and otier != "nvme":
                 self._once(("optim", uid), Interval(f"optim:{param}", otier, "optim", "shard",
                                                     per_el * shard_numel + per_param, 0, self.END, "end", (), param))
+            elif per_el:  # on NVMe: one file per fp32 moment; Adam's ``step`` stays in memory (optim_small)
+                for m in range(per_el // 4):
+                    self._once(("optim", uid, m), Interval(f"optim:{param}", otier, "optim", "shard",
+                                                           4 * shard_numel, 0, self.END, "end", (), param))
+                if per_param:
+                    self._once(("optim_small", uid), Interval(f"optim:{param}", "cpu", "optim", "scalar",
+                                                              per_param, 0, self.END, "end", (), param))
             copy_bytes = self._reduce_copy_bytes(grad.meta.get("val"), h)
             if copy_bytes:
                 self.extra.append(Interval(f"{stage}:{n.name}", "device", "grad_buffer", "reduce_copy", copy_bytes,
@@ -523,6 +557,25 @@ class MemoryPlan:
             self._cache[key] = [_sym_max(self.timeline(tier, kind))]
         return self._cache[key][0]
 
+    def nvme_file_bytes(self, kind: Optional[str] = None) -> Bytes:
+        """Peak bytes of the NVMe tier's files on disk: each shard's file is padded to the swap engine's
+        O_DIRECT alignment (4096 bytes), so this is what ``du`` of the swap folder shows, not the payload
+        that ``peak("nvme")`` and the runtime's accounting count."""
+        diff: List[Bytes] = [0] * (len(self.steps) + 1)
+        for iv in self.intervals:
+            if iv.tier == "nvme" and (kind is None or iv.kind == kind):
+                nb = iv.nbytes
+                padded = sympy.ceiling(nb / SWAP_ALIGN) * SWAP_ALIGN if _is_sym(nb) else \
+                    -(-int(nb) // SWAP_ALIGN) * SWAP_ALIGN
+                diff[iv.start] += padded
+                diff[iv.end + 1] -= padded
+        cur: Bytes = 0
+        line: List[Bytes] = []
+        for d in diff[:-1]:
+            cur = cur + d
+            line.append(cur)
+        return _sym_max(line)
+
     def peak_step(self, tier: str = "device") -> int:
         if self.symbolic:
             raise ValueError("memory plan is symbolic: the peak step depends on the sizes; evaluate() it first")
@@ -669,9 +722,9 @@ class MemoryPlan:
         return path
 
 
-_STACK = ("param", "optim", "grad", "gathered", "grad_buffer", "activation")  # bottom to top
+_STACK = ("param", "optim", "grad", "staging", "gathered", "grad_buffer", "activation")  # bottom to top
 _COLORS = {"activation": (66, 133, 244), "gathered": (244, 160, 0), "grad_buffer": (15, 157, 88),
-           "param": (150, 150, 150), "grad": (120, 120, 120), "optim": (90, 90, 90)}
+           "param": (150, 150, 150), "grad": (120, 120, 120), "optim": (90, 90, 90), "staging": (171, 71, 188)}
 
 
 def _png_stack(path: str, lines: Dict[str, List[int]], marks: List[int], width: int = 800, height: int = 300) -> None:
