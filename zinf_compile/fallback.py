@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 import torch
@@ -250,7 +251,7 @@ def guard_other_instances(compiled: Callable, params: Dict[int, ParamInfo], exam
     if not params:
         return compiled
     first = min(params)
-    template = example_inputs[first]
+    template = weakref.ref(example_inputs[first])  # Dynamo's cache must not keep the model alive
     seen: Set[int] = set()
 
     def call(*args: Any) -> Any:
@@ -259,10 +260,11 @@ def guard_other_instances(compiled: Callable, params: Dict[int, ParamInfo], exam
         else:
             given = args
         p = given[first]
-        if p is not template:
+        if p is not template():
             uid = getattr(p, zinf_runtime.store.UID_ATTR, None)
             if uid is None or uid not in seen:
-                mine = [given[i] for i in params if isinstance(given[i], torch.nn.Parameter)]  # a boxed call
+                # a boxed call clears its list; tiles (indices past the Dynamo inputs) are not the user's
+                mine = [given[i] for i in params if i < len(given) and isinstance(given[i], torch.nn.Parameter)]
                 out = compiled(*args)  # clears its list; partitions the new instance's parameters (resolve)
                 install_call_guards(mine)
                 uid = getattr(p, zinf_runtime.store.UID_ATTR, None)
