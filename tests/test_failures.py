@@ -120,19 +120,8 @@ def test_fallback_gradients_after_one_step_are_eager_bitwise(monkeypatch):
         assert torch.equal(q.grad.full_tensor(), p.grad), name
 
 
-class BreakModel(nn.Module):
-    """Two graphs sharing the parameter ``scale``: one may compile while the other falls back."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(16, 32)
-        self.b = nn.Linear(32, 16)
-        self.scale = nn.Parameter(torch.ones(16))
-
-    def forward(self, x):
-        h = F.gelu(self.a(x)) * self.scale.mean()
-        torch._dynamo.graph_break()
-        return self.b(h) * self.scale
+# two graphs sharing the parameter ``scale``: one may compile while the other falls back
+from test_parity import BreakModel  # noqa: E402
 
 
 def test_one_graph_falls_back_while_the_other_is_compiled(monkeypatch):
