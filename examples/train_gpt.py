@@ -2,7 +2,7 @@
 
     python examples/train_gpt.py                                  # the demo (`make demo`): ~1 minute on 2 cores
     python examples/train_gpt.py --offload-params cpu --offload-optimizer none
-    python examples/train_gpt.py --device-memory-budget 256KiB    # smaller budget: more matmul tiles
+    python examples/train_gpt.py --tiles 8                        # every matmul weight in 8 tiles
     torchrun --nproc-per-node 2 examples/train_gpt.py             # data parallel (dp = 2, gloo on CPU):
                                                                   # every parameter sharded 1/2 per rank
 
@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="global batch in sequences; under torchrun it is split across the ranks (default: 32)")
     run.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
     run.add_argument("--log-every", type=int, default=3, help="print the loss every N steps (default: 3)")
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--seed", type=int, default=0, help="seeds the init and the batches (default: 0)")
     run.add_argument("--corpus-bytes", type=parse_bytes, default=2 << 20,
                      help="bytes of standard-library source to train on (default: 2MiB)")
     size = ap.add_argument_group("model size (GPT-style, bytewise vocabulary of 256)")
@@ -169,9 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="bytes of gathered parameters + gradients allowed on the device, e.g. 512KiB; "
                            "matmul tile counts are chosen to fit (default: auto = the larger of the "
                            "largest block weight and twice the embeddings, which cannot be tiled: "
-                           "~2%% of the model states, and the MLP weights run in 4 tiles)")
+                           "~2.5%% of the model states here; the MLP weights run in 4 tiles)")
     zinf.add_argument("--tiles", type=int, default=None,
-                      help="force this tile count for the matmuls over the threshold/budget")
+                      help="tile every matmul weight of the blocks this many ways (sets the backend's "
+                           "tiles=N with tile_threshold_bytes=0; default: tile counts follow the budget)")
     zinf.add_argument("--compiler", default="eager", choices=["eager", "inductor"],
                       help="code generator for the compute between zinf ops (default: eager: at the demo's "
                            "size Inductor's compile took ~110 s on 2 CPU cores, eager's ~7 s, for the "
@@ -206,6 +207,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         tmp = nvme_path = tempfile.mkdtemp(prefix="zinf-demo-nvme-")
     options: dict[str, Any] = {"offload_params": args.offload_params, "offload_optimizer": args.offload_optimizer,
                                "nvme_path": nvme_path, "device_memory_budget": budget, "tiles": args.tiles,
+                               **({"tile_threshold_bytes": 0} if args.tiles is not None else {}),
                                "compiler": args.compiler, "mixed_precision": args.mixed_precision,
                                "dump_dir": args.dump_dir}
     try:
@@ -252,11 +254,15 @@ def train(cmodel: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, data:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         model.zero_grad()
+        loss = loss.detach()
+        if world > 1:  # log the global batch's loss, not this rank's slice
+            dist.all_reduce(loss)
+            loss /= world
         losses.append(loss.item())
         if step == 0:
             t_first = time.perf_counter() - t_start
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        if step % args.log_every == 0 or step == args.steps - 1:
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             recent = losses[-5:]
             bar.write(f"step {step:4d}  loss {losses[-1]:.4f}  (mean of last {len(recent)}: "
                       f"{sum(recent) / len(recent):.4f})" + ("  includes compile" if step == 0 else ""))
