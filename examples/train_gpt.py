@@ -144,7 +144,7 @@ def auto_budget(model: GPT) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     run = ap.add_argument_group("training")
-    run.add_argument("--steps", type=int, default=30, help="optimizer steps (default: 30)")
+    run.add_argument("--steps", type=int, default=24, help="optimizer steps (default: 24)")
     run.add_argument("--batch", type=int, default=32,
                      help="global batch in sequences; under torchrun it is split across the ranks (default: 32)")
     run.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
@@ -174,9 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tile every matmul weight of the blocks this many ways (sets the backend's "
                            "tiles=N with tile_threshold_bytes=0; default: tile counts follow the budget)")
     zinf.add_argument("--compiler", default="eager", choices=["eager", "inductor"],
-                      help="code generator for the compute between zinf ops (default: eager: at the demo's "
-                           "size Inductor's compile took ~110 s on 2 CPU cores, eager's ~7 s, for the "
-                           "same step time)")
+                      help="code generator for the compute between zinf ops (default: eager: at width 192 "
+                           "Inductor's first step took 110 s on 2 CPU cores, eager's 6.5 s, for about "
+                           "the same step time)")
     zinf.add_argument("--mixed-precision", default=None, choices=["bf16", "fp16"])
     zinf.add_argument("--dump-dir", default=None,
                       help="write every graph after every pass, and the memory plan, here (zinf inspect DIR)")
