@@ -1,5 +1,5 @@
 # Two commands on a fresh machine, each doing its own set-up:
-#   make demo   -- a GPT-style model trains a few steps under backend="zinf" and prints losses + memory
+#   make demo   -- a GPT-style model trains on real text, params + optimizer on NVMe, and prints losses + memory
 #   make test   -- the test suite, then its parity tests again on ATen's portable kernels (what .ci/run calls)
 PY ?= python3
 VENV := .venv
