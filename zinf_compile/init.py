@@ -112,6 +112,8 @@ class _Touch(TorchFunctionMode):
                 if p._version != version:  # written: the shards take the new values
                     h.load_full(p.detach())
                 p.untyped_storage().resize_(0)
+            if touched:  # init reads each parameter back once: pooled NVMe read buffers would only sit idle
+                self.owner.context.pool.clear()
 
 
 class ZinfInit:
@@ -169,6 +171,10 @@ class ZinfInit:
                         "would too; call torch.manual_seed(<same seed>) on every rank before init, or leave "
                         "sync_module_states=True to take rank 0's values")
                 self._broadcast = True
+        if self.config.malloc_mmap_threshold is not None:  # as the backend does when compiling (an option)
+            from zinf_runtime import tiers
+
+            tiers.set_malloc_mmap_threshold(self.config.malloc_mmap_threshold)
         from tqdm.auto import tqdm
 
         show = self.progress if self.progress is not None else self.placement.tier == "nvme"
