@@ -101,3 +101,14 @@ def test_eager_patches_compile_the_backward_with_the_forward():
     assert run(patched=False) == ["fw"]
     assert run(patched=True) == ["fw", "bw"]
     assert fc.force_non_lazy_backward_lowering is False  # scoped to the compile
+
+
+def test_storage_key_shared_by_aliases_and_stable_across_resize():
+    from zinf_compile import _torch_compat
+
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    key = _torch_compat.storage_key(p)
+    assert _torch_compat.storage_key(p[1:]) == key and _torch_compat.storage_key(p.data) == key
+    p.untyped_storage().resize_(0)
+    assert _torch_compat.storage_key(p) == key
+    assert _torch_compat.storage_key(torch.randn(4, 3)) != key

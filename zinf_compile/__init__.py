@@ -11,12 +11,14 @@ from zinf_runtime import memory_stats, reset_peak_memory_stats
 from . import optim
 from .backend import zinf_backend
 from .config import Config
+from .init import init
 from .memory_plan import memory_plan
 from .pipeline import compile_records, last_graphs
 from .state import full_state_dict, gathered
 
 __all__ = [
     "Config",
+    "init",
     "optim",
     "zinf_backend",
     "full_state_dict",

@@ -131,3 +131,9 @@ def static_fake_like(t: torch.Tensor, example_inputs: Sequence[Any]) -> torch.Te
     if mode is None:
         return t
     return mode.from_tensor(t, static_shapes=True)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An identity of ``t``'s StorageImpl, shared by every alias (views, ``.data``, ``detach()``) and
+    stable across ``resize_`` (unlike ``data_ptr()``, which is 0 for a 0-byte storage)."""
+    return t.untyped_storage()._cdata

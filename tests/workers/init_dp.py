@@ -1,0 +1,51 @@
+"""dp worker (torchrun, gloo) for tests/test_init.py: every rank builds the GPT under zinf_compile.init with
+the same seed, keeps its shard, trains a few SGD steps; rank 0 writes the initial full state dict, per-rank
+shard bytes, losses and the final full state dict."""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import zinf_compile
+from zinf_compile.models import GPT, GPTConfig, make_batch
+
+
+def main(out_path: str, cfg_json: str, steps: int, global_batch: int) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(**json.loads(cfg_json))
+    torch.manual_seed(0)
+    with zinf_compile.init(offload_params="cpu", compiler="eager") as zi:
+        model = GPT(cfg)
+    no_storage = all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    shard = sum(zinf_compile.memory_stats(model)["cpu"]["param"]["current"] for _ in [0])
+    shards = [None] * world
+    dist.all_gather_object(shards, shard)
+    initial = zinf_compile.full_state_dict(model, rank0_only=True)
+    cmodel = torch.compile(model, backend="zinf", options=zi.options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    per, losses = global_batch // world, []
+    for step in range(steps):
+        x, y = make_batch(cfg, global_batch, seed=step)
+        loss = cmodel(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    final = zinf_compile.full_state_dict(model, rank0_only=True)
+    if rank == 0:
+        torch.save({"initial": initial, "final": final, "losses": losses, "shards": shards,
+                    "no_storage": no_storage, "partitioned": zi.partitioned}, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
