@@ -21,6 +21,8 @@ import torch
 
 import zinf_compile
 
+pytestmark = pytest.mark.parity  # run again under ATEN_CPU_CAPABILITY=default by make test
+
 transformers = pytest.importorskip("transformers", reason="transformers is installed by `make setup`")
 
 
