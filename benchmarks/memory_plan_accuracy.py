@@ -43,6 +43,7 @@ import zinf_compile
 from zinf_compile.analytic import human_bytes
 from zinf_compile.memory_plan import MemoryPlan, memory_plan
 from zinf_compile.models import GPT, GPTConfig, make_batch
+from _procmem import reset_hwm  # noqa: E402
 
 STEP_TOLERANCE = 0.10  # eager: predicted step peak within +-10% of the allocator's
 
@@ -106,13 +107,6 @@ def rss_kib() -> Dict[str, int]:
     return out
 
 
-def reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def swap_files(folder: str, settle_s: float = 30.0) -> Dict[str, int]:

@@ -45,6 +45,7 @@ import tempfile
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
+from _procmem import reset_hwm as _reset_hwm  # noqa: E402
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -68,14 +69,6 @@ def _status_kib(field: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-def _reset_hwm() -> bool:
-    """Reset VmHWM (and with it ru_maxrss) to the current RSS; False where the kernel refuses."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 class _MallInfo2(ctypes.Structure):

@@ -68,6 +68,7 @@ import sys
 import tempfile
 import time
 from typing import Any, Dict, List, Optional
+from _procmem import reset_hwm  # noqa: E402
 
 MALLOC_ENV: Dict[str, Dict[str, str]] = {
     "default": {},
@@ -112,14 +113,6 @@ def rss_kib() -> Dict[str, int]:
     return out
 
 
-def reset_hwm() -> bool:
-    """Reset this process's ``VmHWM`` to its current RSS (Linux >= 4.0); False if not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def profile_step(step, i: int) -> Dict[str, float]:
