@@ -83,3 +83,15 @@ def test_dp2_ranks_in_different_graph_modes_raise(tmp_path):
     for r in (r0, r1):
         assert r is not None, proc.stdout[-3000:] + proc.stderr[-6000:]
         assert r["error"] is not None and "different compiled graphs" in r["error"], r
+
+
+def test_dp2_grad_scaler_skips_on_every_rank_when_one_shard_overflows(tmp_path):
+    # found_inf is max-reduced over dp: rank 0's shards are finite, rank 1's is not, and both skip step 1
+    proc, (r0, r1) = torchrun(tmp_path, "scaler", {"compiler": "eager"}, steps=3)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert r0["norms"] == r1["norms"] == [512.0, 512.0, 512.0]  # backed off once, then stepped
+    for k, v in r0["state"].items():
+        torch.testing.assert_close(r1["state"][k], v, rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
+    torch.manual_seed(0)
+    init = Outer().state_dict()
+    assert not torch.equal(r0["state"]["net.fc1.weight"], init["net.fc1.weight"])  # the later steps applied

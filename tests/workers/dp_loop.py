@@ -74,6 +74,22 @@ def main(out_path: str, scenario: str, options_json: str, steps: int) -> None:
         result["state"] = zinf_compile.full_state_dict(model)
         result["shift"] = model.net.shift.clone()
         result["scale_rank"] = model.scale.detach().clone()
+    elif scenario == "scaler":
+        # rank 1's gradient shard overflows (as an fp16 overflow lands in whichever rank owns the element):
+        # GradScaler must skip the step on every rank, or the replicas diverge
+        import zinf_runtime
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        for i, (x, y) in enumerate(batches):
+            lo, hi = rank * len(x) // world, (rank + 1) * len(x) // world
+            scaler.scale(loss_of(cnet(x[lo:hi]), model.scale, y[lo:hi])).backward()
+            if i == 0 and rank == 1:
+                zinf_runtime.handle_of(model.net.fc2.bias).grad_slot.resident()[0] = float("inf")
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            model.zero_grad()
+            result["norms"].append(scaler.get_scale())
+        result["state"] = zinf_compile.full_state_dict(model)
     else:
         x, y = batches[0]
         loss_of(cnet(x), model.scale, y).backward()  # every rank compiles and trains once
@@ -92,7 +108,7 @@ def main(out_path: str, scenario: str, options_json: str, steps: int) -> None:
             result["error"] = str(exc)
         result["seconds"] = time.time() - t0
     torch.save(result, f"{out_path}.{rank}")
-    if scenario == "train":
+    if scenario in ("train", "scaler"):
         dist.barrier()
         dist.destroy_process_group()
 
