@@ -339,7 +339,8 @@ _DP_WORKER = textwrap.dedent("""
     import torch, torch.distributed as dist
     import zinf_compile
     from zinf_compile import backend
-    from zinf_compile.models import GPT, GPTConfig, make_batch
+    from zinf_compile.models import GPT, GPTConfig
+    from dp_common import train_on_slices  # tests/workers, on PYTHONPATH
 
     def boom(gm, example_inputs, *, ctx):
         raise RuntimeError("deliberate failure in insert_fetch")
@@ -352,16 +353,7 @@ _DP_WORKER = textwrap.dedent("""
     model = GPT(cfg)
     cmodel = torch.compile(model, backend="zinf", options={"compiler": "eager"})
     opt = zinf_compile.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    per, losses = global_batch // world, []
-    for step in range(steps):
-        x, y = make_batch(cfg, global_batch, seed=step)
-        loss = cmodel(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+    losses = train_on_slices(cmodel, opt, cfg, steps, global_batch)
     fallbacks = sum(r.counters["gather_all_fallback"] for r in zinf_compile.compile_records())
     full = zinf_compile.full_state_dict(model, rank0_only=True)
     if rank == 0:
@@ -388,7 +380,9 @@ def test_fallback_at_dp2_matches_single_process_eager(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(port), str(worker), str(out), json.dumps(cfg), str(steps)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=dict(os.environ, OMP_NUM_THREADS="1",
+                                   PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests", "workers"),
+                                                               os.environ.get("PYTHONPATH", "")])))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     res = torch.load(out)
     assert res["fallbacks"] >= 1

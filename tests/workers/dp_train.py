@@ -17,10 +17,12 @@ import torch
 import torch.distributed as dist
 
 import zinf_compile
-from zinf_compile.models import GPT, GPTConfig, make_batch
+from zinf_compile.models import GPT, GPTConfig
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import zinf_full_grads  # noqa: E402  (tests/conftest.py: the store-level gradient read)
+from dp_common import train_on_slices  # noqa: E402
 
 # the optimizer both sides use: SGD with momentum (tests/conftest.py says why not Adam across dp)
 SGD = dict(lr=0.1, momentum=0.9)
@@ -40,20 +42,9 @@ def main(out_path: str, options_json: str, steps: int, global_batch: int, cfg_js
     total_param_bytes = sum(p.numel() * 4 for p in model.parameters())
     cmodel = torch.compile(model, backend="zinf", options=options)
     opt = zinf_compile.optim.SGD(model.parameters(), **SGD)
-    losses = []
-    grads = {}
-    per = global_batch // world
-    for step in range(steps):
-        x, y = make_batch(cfg, global_batch, seed=step)
-        loss = cmodel(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
-        loss.backward()
-        if step == 0:
-            grads = zinf_full_grads(model)  # collective
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+    grads: dict = {}
+    losses = train_on_slices(cmodel, opt, cfg, steps, global_batch,
+                             after_first_backward=lambda: grads.update(zinf_full_grads(model)))  # collective
     stats = zinf_compile.memory_stats()
     tier = {"none": "device", "cpu": "cpu", "nvme": "nvme"}[options.get("offload_params", "none")]
     shard_bytes = torch.tensor([stats[tier]["param"]["current"]], dtype=torch.int64)

@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 
 import zinf_compile
-from zinf_compile.models import GPT, GPTConfig, make_batch
+from zinf_compile.models import GPT, GPTConfig
+
+from dp_common import train_on_slices
 
 
 def main(out_path: str, cfg_json: str, steps: int, global_batch: int) -> None:
@@ -29,16 +31,7 @@ def main(out_path: str, cfg_json: str, steps: int, global_batch: int) -> None:
     initial = zinf_compile.full_state_dict(model, rank0_only=True)
     cmodel = torch.compile(model, backend="zinf", options=zi.options)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    per, losses = global_batch // world, []
-    for step in range(steps):
-        x, y = make_batch(cfg, global_batch, seed=step)
-        loss = cmodel(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+    losses = train_on_slices(cmodel, opt, cfg, steps, global_batch)
     final = zinf_compile.full_state_dict(model, rank0_only=True)
     if rank == 0:
         torch.save({"initial": initial, "final": final, "losses": losses, "shards": shards,
