@@ -64,6 +64,17 @@ class Config:
         host buffers over 32 MiB a fresh mmap and page faults on every fetch, and keeps smaller freed
         buffers in its heap (RSS grows when streaming NVMe state); a fixed 1 MiB returns them to the
         OS (``zinf_runtime.tiers.set_malloc_mmap_threshold`` has the measurements).
+    prefetch_depths: ``(nvme, upload, gather)``: how many parameter-using operators ahead of its use
+        each transfer of a parameter starts (the paper's NVMe->host for i+3, host->device for i+2,
+        all-gather for i+1). ``(0, 0, 0)`` is the serial schedule: every transfer waits at its use.
+    reduce_depths: ``(reduce, offload)``: in backward, how many gradient-producing operators later
+        the reduce-scatter of a gradient, and its offload (device->host, NVMe write), are waited for.
+    max_inflight_bytes: cap on the bytes of parameters fetched ahead of their use at any point of a
+        graph (None: no cap); a prefetch that would exceed it starts later.
+    bucket_bytes: dp > 1: parameters of at most this many bytes that are gathered at the same point
+        share one all-gather collective (0: one collective per parameter).
+    trace: a path: write a Chrome/Perfetto trace (JSON) of the transfers and compute of each step
+        there (``zinf_runtime.transfer``).
     """
 
     offload_params: str = "none"
@@ -84,6 +95,11 @@ class Config:
     tiles: Optional[int] = None
     device_memory_budget: Optional[int] = None
     malloc_mmap_threshold: Optional[int] = None
+    prefetch_depths: tuple[int, int, int] = (3, 2, 1)
+    reduce_depths: tuple[int, int] = (1, 2)
+    max_inflight_bytes: Optional[int] = None
+    bucket_bytes: int = 0
+    trace: Optional[str] = None
 
     def __post_init__(self) -> None:
         for key, choices in _CHOICES.items():
@@ -117,6 +133,22 @@ class Config:
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"zinf option {key!r}: invalid value {value!r}; expected an int >= {minimum}"
                                  + ("" if key == "tile_threshold_bytes" else " or None"))
+        for key, n in (("prefetch_depths", 3), ("reduce_depths", 2)):
+            value = getattr(self, key)
+            if (not isinstance(value, (tuple, list)) or len(value) != n
+                    or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)):
+                raise ValueError(f"zinf option {key!r}: invalid value {value!r}; expected {n} ints >= 0, "
+                                 f"e.g. {(3, 2, 1) if n == 3 else (1, 2)}")
+            object.__setattr__(self, key, tuple(value))
+        for key in ("max_inflight_bytes", "bucket_bytes"):
+            value = getattr(self, key)
+            if value is None and key == "max_inflight_bytes":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"zinf option {key!r}: invalid value {value!r}; expected an int of bytes >= 0"
+                                 + (" or None" if key == "max_inflight_bytes" else ""))
+        if self.trace is not None and not isinstance(self.trace, (str, os.PathLike)):
+            raise ValueError(f"zinf option 'trace': expected a file path, got {self.trace!r}")
         mmap_max = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
         value = self.malloc_mmap_threshold
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= mmap_max):
