@@ -33,7 +33,7 @@ import os
 from datetime import timedelta
 import threading
 import weakref
-from typing import Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -174,26 +174,24 @@ def _check(op: str, t: torch.Tensor, group: ProcessGroup, *, device: str) -> Non
 
 
 # -- hot-path collectives: tensors already on the group's device ------------------------------------
-def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: ProcessGroup) -> None:
-    """``out`` (world × shard elements) receives every rank's ``shard`` in rank order."""
+def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool = False) -> Any:
+    """``out`` (world × shard elements) receives every rank's ``shard`` in rank order.
+
+    ``async_op``: returns the work handle; ``out`` is valid, and ``shard`` may be reused, only
+    after its ``wait()`` (which, on CUDA, orders the current stream after the collective)."""
     _check("all_gather", shard, group, device="always")
     _check("all_gather (output)", out, group, device="always")
-    fn = getattr(dist, "all_gather_single", None)
-    if fn is not None:
-        fn(out, shard, group=group)
-    else:
-        dist.all_gather_into_tensor(out, shard, group=group)
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, shard, group=group, async_op=async_op)
 
 
-def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: ProcessGroup) -> None:
-    """``out`` receives the sum over ranks of this rank's slice of ``full``."""
+def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: ProcessGroup, async_op: bool = False) -> Any:
+    """``out`` receives the sum over ranks of this rank's slice of ``full`` (``async_op``: as for
+    ``all_gather_flat``)."""
     _check("reduce_scatter", full, group, device="always")
     _check("reduce_scatter (output)", out, group, device="always")
-    fn = getattr(dist, "reduce_scatter_single", None)
-    if fn is not None:
-        fn(out, full, op=dist.ReduceOp.SUM, group=group)
-    else:
-        dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group)
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 # -- movers: tensors that live off the group's device by design -------------------------------------

@@ -112,3 +112,10 @@ def test_storage_key_shared_by_aliases_and_stable_across_resize():
     p.untyped_storage().resize_(0)
     assert _torch_compat.storage_key(p) == key
     assert _torch_compat.storage_key(torch.randn(4, 3)) != key
+
+
+def test_is_dynamo_restart():
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+
+    assert _torch_compat.is_dynamo_restart(TensorifyScalarRestartAnalysis())
+    assert not _torch_compat.is_dynamo_restart(RuntimeError("x"))

@@ -137,3 +137,12 @@ def storage_key(t: torch.Tensor) -> int:
     """An identity of ``t``'s StorageImpl, shared by every alias (views, ``.data``, ``detach()``) and
     stable across ``resize_`` (unlike ``data_ptr()``, which is 0 for a 0-byte storage)."""
     return t.untyped_storage()._cdata
+
+
+def is_dynamo_restart(exc: BaseException) -> bool:
+    """Whether ``exc`` is Dynamo's own "restart the analysis" signal (e.g. AOTAutograd's scalar
+    tensorification under ``dynamic=True``): control flow Dynamo catches and retries, not a
+    failure, so a backend must let it through instead of falling back."""
+    from torch._dynamo.exc import RestartAnalysis
+
+    return isinstance(exc, RestartAnalysis)
