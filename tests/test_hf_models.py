@@ -17,7 +17,14 @@ What is compared, and how tightly (tests/conftest.py derives it):
   rank sums half the batch, so the gradient's reduction runs in another order. The first step's
   gradients are held to the fp32 summation bound from the float64 gradient (as eager's are), the
   losses and parameters after 3 SGD-with-momentum steps to ``RTOL``/``ATOL``; each rank's store holds
-  half of every parameter.
+  half of every parameter. One exception, proven in the test rather than assumed: BERT's key biases.
+  Adding a bias to every key adds ``q·b`` to a whole row of attention scores, which softmax ignores,
+  so their true gradient is exactly zero *term by term* (float64: ~1e-20, against ~1e-2 elsewhere).
+  The bound assumes each term's fp32 error is a few ``u`` of that term; here every term is a
+  cancellation to zero inside the softmax backward, so fp32 leaves ~1e-12 of noise in eager and
+  zinf alike and the bound (~1e-26) says nothing. Those parameters, and only those (the set is
+  asserted), are held to the parameter comparison after SGD instead (the Llama-style models here
+  have no q/k biases, or, Qwen2, q/k biases under rotary embeddings, which break the invariance).
 """
 
 from __future__ import annotations
@@ -32,8 +39,8 @@ import sys
 import pytest
 import torch
 
-from conftest import (ATOL, RTOL, Run, assert_grads_equal, assert_grads_within_reduction_bound,
-                      assert_same_training, eager_grads, train_pair)
+from conftest import (ATOL, RTOL, Run, assert_grads_equal, assert_same_training, eager_grads, float64_reference,
+                      reduction_bound_ratios, train_pair)
 
 pytest.importorskip("transformers", reason="transformers is installed by `make setup`")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
@@ -116,7 +123,15 @@ def test_hf_model_dp2_matches_single_process_eager(dp2_results, name):
     losses, state, grads, init, first = _eager_dp_reference(name)
     run = Run(losses, res["losses"], None, None, init, first, 1, grads, res["grads"])
     assert all(g is not None for g in grads.values())
-    assert_grads_within_reduction_bound(run, loss_terms)
+    _, mag, _ = float64_reference(init, first, 1, loss_terms)
+    largest = max(m.norm().item() for m in mag.values())
+    vanishing = {k for k, m in mag.items() if m.norm().item() <= 1e-12 * largest}  # zero term by term
+    assert vanishing == {k for k in grads if name == "bert" and k.endswith("attention.self.key.bias")}, vanishing
+    for k, (rz, re, _) in reduction_bound_ratios(run, loss_terms).items():
+        if k in vanishing:
+            continue
+        assert re <= 1.0, f"{k}: eager itself is {re:.2f}x the fp32 bound: the bound's derivation is wrong"
+        assert rz <= 1.0, f"{k}: zinf's gradient is {rz:.2f}x the fp32 summation bound from the true gradient"
     torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(losses), rtol=RTOL, atol=ATOL)
     assert res["state"].keys() == state.keys()
     for k, v in state.items():
