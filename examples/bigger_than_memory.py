@@ -89,6 +89,27 @@ def host_peak(plan: MemoryPlan) -> tuple[int, str]:
     return line[i], f"{s.stage} {s.node}"
 
 
+def host_peak_write_capped(plan: MemoryPlan, cap: int) -> int:
+    """The plan's host peak with the gradient write buffers limited to ``cap`` bytes in flight.
+
+    The plan keeps every gradient's host write buffer (``staging``/``write_buffer``) alive from its
+    ``reduce_grad`` to the end of the step, which for an NVMe optimizer is the whole fp32 gradient;
+    the runtime waits for writes once ``cap`` bytes are in flight (``ZINF_NVME_WRITE_INFLIGHT``,
+    zinf_runtime.tiers.WRITE_INFLIGHT_CAP), so at most ``cap`` of them are live at any point.
+    """
+    diff = [0] * (len(plan.steps) + 1)
+    for iv in plan.intervals:
+        if iv.role == "write_buffer":
+            diff[iv.start] += int(iv.nbytes)
+            diff[iv.end + 1] -= int(iv.nbytes)
+    wb, cur = [], 0
+    for d in diff[:-1]:
+        cur += d
+        wb.append(cur)
+    dev, cpu = plan.timeline("device"), plan.timeline("cpu")
+    return max(int(a) + int(b) - w + min(w, cap) for a, b, w in zip(dev, cpu, wb))
+
+
 def optimizer_bound(model: torch.nn.Module, sub_group_bytes: int) -> int:
     """The NVMe optimizer's resident bytes by the runtime's rule (zinf_runtime.optim._step_streamed):
     about three sub-groups (stepping one, reading the next, writing the last); a shard larger than a
@@ -174,12 +195,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         io = nvme_io(model)
         assert plan is not None
         plan_host, plan_where = host_peak(plan)
+        cap = zinf_runtime.tiers.WRITE_INFLIGHT_CAP
+        plan_capped = host_peak_write_capped(plan, cap)
         sub_group = zinf_compile.Config.from_options(zi.options).optimizer_sub_group_bytes
         opt_bound = optimizer_bound(model, sub_group)
         swap_buffers = zinf_compile.Config.from_options(zi.options)
         swap_buffers = swap_buffers.swap_buffer_count * swap_buffers.swap_buffer_size
         hwm = status_bytes("VmHWM")
         figures.update(losses=losses, step_s=times, nvme=io, plan_host_peak=plan_host, plan_host_peak_at=plan_where,
+                       plan_host_peak_write_capped=plan_capped, write_inflight_cap=cap,
                        plan_device_peak=int(plan.peak("device")), plan_cpu_peak=int(plan.peak("cpu")),
                        plan_gathered_peak=int(plan.peak("device", "gathered")),
                        optimizer_step_bound=opt_bound, swap_buffer_bytes=swap_buffers, peak_rss=hwm,
@@ -196,15 +220,19 @@ def main(argv: Optional[List[str]] = None) -> int:
             ("NVMe peak disk use", fmt_bytes(io["peak_disk_bytes"])),
             ("plan: host peak of forward+backward", f"{fmt_bytes(plan_host)} (at {plan_where}; of which gathered "
                                                      f"{fmt_bytes(figures['plan_gathered_peak'])})"),
+            ("  same, write buffers capped in flight", f"{fmt_bytes(plan_capped)} (ZINF_NVME_WRITE_INFLIGHT = "
+                                                        f"{fmt_bytes(cap)}: the plan holds every gradient's)"),
             ("runtime rule: NVMe optimizer step", f"<= ~{fmt_bytes(opt_bound)} (3 sub-groups of "
                                                    f"max({fmt_bytes(sub_group)}, largest shard x16))"),
             ("swap engine bounce buffers", fmt_bytes(swap_buffers)),
             ("RSS after imports / after init", f"{fmt_bytes(figures['hwm_after_import'])} / {fmt_bytes(base)}"),
             ("predicted host peak", f"{fmt_bytes(base + max(plan_host, opt_bound) + swap_buffers)} "
                                     "(after-init RSS + max(plan, optimizer) + bounce buffers)"),
+            ("  with the write cap", f"{fmt_bytes(base + max(plan_capped, opt_bound) + swap_buffers)}"),
             ("MEASURED peak RSS (VmHWM)", f"{fmt_bytes(hwm)} = {hwm / ram:.1%} of RAM (goal <= 35%)"),
         ]
         figures["predicted_host_peak"] = base + max(plan_host, opt_bound) + swap_buffers
+        figures["predicted_host_peak_write_capped"] = base + max(plan_capped, opt_bound) + swap_buffers
         w = max(len(r[0]) for r in rows)
         print()
         for k, v in rows:
