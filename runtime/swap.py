@@ -750,9 +750,10 @@ class SwapEngine:
                     e = h._error
                     if isinstance(e, OSError) and e.errno in _SPACE_ERRNOS and not isinstance(e, SwapError):
                         h._error = SwapSpaceError(
-                            e.errno, f"zinf swap: out of space writing {h.key!r} to {h._path!r}: needs "
+                            e.errno, f"zinf swap: out of space writing {_describe_key(h.key)} to {h._path!r}: needs "
                             f"{padded} bytes ({h.nbytes} payload); fix: free space on "
-                            f"{self.cfg.nvme_path!r}, point nvme_path at a larger disk or swap less")
+                            f"{self.cfg.nvme_path!r}, point nvme_path at a larger disk or swap less. Writes are "
+                            f"atomic: the key keeps its previous version, if it had one")
                         h._error.__cause__ = e
             elif h._error is None:
                 self._st["bytes_read"] += h.nbytes
