@@ -400,7 +400,9 @@ def wait(work: Any, op: str, group: ProcessGroup, *, what: Optional[str] = None)
             work.wait(timeout=timedelta(seconds=min(poll, max(timeout, 0.01))))
             return
         except RuntimeError as exc:
-            if not _is_timeout(exc):
+            # our slice ran out (the work is still pending), or the work itself failed (gloo's own
+            # timeout, a peer's closed connection): then it is complete and re-raises at every wait
+            if work.is_completed() or not _is_timeout(exc):
                 failure = posted_failure()
                 if failure is not None:
                     raise _peer_failed(op, group, failure) from exc
@@ -447,8 +449,11 @@ def _run(op: str, t: torch.Tensor, group: ProcessGroup, issue: Callable[[bool], 
     if t.device.type != "cpu":
         issue(False)  # NCCL: the current stream waits, the CPU does not block
         return
-    with reporting(op):
+    try:  # (not `with reporting(op)`: a plain try costs nothing on the hot path)
         wait(issue(True), op, group)
+    except BaseException as exc:
+        post_failure(op, exc)
+        raise
 
 
 def rendezvous(fingerprint: int, what: str, group: ProcessGroup,

@@ -56,11 +56,15 @@ def check_failed(r0, r1, cause):
 
 
 def test_mismatched_models_then_bad_input_on_rank1(tmp_path):
-    """Ranks whose models differ in one parameter's shape raise before any collective, naming it: with
+    """Ranks whose models differ (one more layer; one parameter's shape) raise before any collective, naming it: with
     the parameters partitioned at compile (check_compile) and by zinf_compile.init (the first call's
     collective-sequence fingerprint). Then, in the same process group, a bad token on rank 1 only:
     rank 0 gets RankFailedError naming rank 1, the operation and the error within 60 s."""
-    res = torchrun(tmp_path, ["shape_mismatch", "shape_mismatch_init", "bad_input"], {"compiler": "eager"})
+    res = torchrun(tmp_path, ["extra_layer", "shape_mismatch", "shape_mismatch_init", "bad_input"],
+                   {"compiler": "eager"})
+    for r in res["extra_layer"]:  # caught at compile, before partitioning broadcasts a parameter rank 0 lacks
+        assert "GraphMismatchError" in r["error"] and "compiling graph" in r["error"], r  # Dynamo wraps it
+        assert "rank 0 has <nothing>, rank 1 has parameter 'layers.3.weight' (8, 8)" in r["error"], r
     check_mismatch(*res["shape_mismatch"], "layers.1.weight")
     check_mismatch(*res["shape_mismatch_init"], "Linear.weight")  # init names parameters by their module class
     check_failed(*res["bad_input"], "IndexError: index out of range")

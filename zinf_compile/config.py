@@ -38,7 +38,8 @@ class Config:
         block, requests in flight (IO threads), and aligned bounce-buffer pool.
     nvme_checksum: the swap engine keeps a crc32 of every block it writes and verifies it on every
         read, so a corrupted or truncated swap file raises an error naming it instead of training on
-        bad bytes (about 1 ms per MiB-block pair of threads; False skips it).
+        bad bytes. zlib's crc32 runs at ~0.7 GiB/s per IO thread (in parallel, GIL released), which
+        is not free next to a fast NVMe drive: ``benchmarks/swap_checksum.py`` measures it (False skips it).
     optimizer_sub_group_bytes: state bytes (16 per parameter: master, gradient, two moments) an
         NVMe optimizer steps at a time; bounds its host memory.
     mixed_precision: ``None`` trains in the model's dtype; ``"bf16"``/``"fp16"`` run the model as under

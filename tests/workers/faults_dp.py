@@ -6,7 +6,9 @@ process group: the mismatch scenarios leave it usable, a failed step does not, s
   vocabulary, so its forward raises (IndexError in the embedding) between two all-gathers;
 * ``io_error``: parameters on NVMe; at step 1 rank 1's swap reads fail with EIO (a dying disk);
 * ``shape_mismatch`` / ``shape_mismatch_init``: rank 1's model has one layer one unit wider; the
-  parameters are partitioned at compile / by ``zinf_compile.init``.
+  parameters are partitioned at compile / by ``zinf_compile.init``;
+* ``extra_layer``: rank 1's model has one more layer (two more parameters, the others equal):
+  partitioning would broadcast two parameters rank 0 never sends.
 
 Each rank writes ``out_path.<scenario>.<rank>`` (json): the error it got (type, text) and the seconds from the
 start of the failing step to that error. A rank that failed first stays alive (it would in a
@@ -70,6 +72,8 @@ def gpt_steps(out_path: str, scenario: str, options: dict, rank: int) -> dict:
 
 def mismatch(scenario: str, rank: int) -> dict:
     dims = (16, 32, 32 + rank, 8)  # rank 1: layers.1 has 33 outputs, layers.2 33 inputs
+    if scenario == "extra_layer":
+        dims = (16, 32, 32, 8) + (8,) * rank
     torch.manual_seed(0)
     opts = {"compiler": "eager"}
     if scenario == "shape_mismatch_init":
@@ -91,7 +95,7 @@ def main(out_path: str, scenarios: str, options: dict) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=float(os.environ.get("FAULTS_PG_TIMEOUT", "90"))))
     rank = dist.get_rank()
     for scenario in scenarios.split(","):
-        if scenario.startswith("shape_mismatch"):
+        if scenario.startswith("shape_mismatch") or scenario == "extra_layer":
             result = mismatch(scenario, rank)
         else:
             result = gpt_steps(out_path, scenario, options, rank)
