@@ -183,6 +183,32 @@ def test_meta_model_materialized_equals_eager_and_trains(offload):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
 
 
+class _TiedFirst(nn.Module):
+    """A tied module built before others: its constructor's reset_parameters consumed the RNG on its own
+    weight, which was tied afterwards; the modules after it depend on that RNG consumption."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(4, 6, bias=False)  # only a tied parameter once tied
+        self.b.weight = self.a.weight
+        self.c = nn.Linear(6, 3)
+        self.d = nn.Linear(4, 6)  # a tied weight and a fresh bias
+        self.d.weight = self.a.weight
+
+
+def test_meta_tied_modules_consume_the_rng_as_their_constructors_did():
+    torch.manual_seed(0)
+    ref = _TiedFirst().state_dict()
+    torch.manual_seed(0)
+    with zinf_compile.init(compiler="eager") as zi:
+        with torch.device("meta"):
+            model = _TiedFirst()
+        zi.materialize(model)
+    assert model.b.weight is model.a.weight is model.d.weight
+    _assert_equal_state(model, ref)
+
+
 def test_meta_model_with_init_fn_equals_eager_init_order():
     """init_fn per module (torchtitan's init_weights): equals eager construction followed by the same
     init_fn over model.modules() after the same seed; the tied weight gets the last write (the head's)."""

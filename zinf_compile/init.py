@@ -339,7 +339,7 @@ class ZinfInit:
                 mod._buffers[n] = torch.empty_like(mod._buffers[n], device=self.device)
             if init_fn is not None:
                 init_fn(mod)
-            elif (fresh or bufs) and callable(getattr(mod, "reset_parameters", None)):
+            elif (fresh or bufs or tied) and callable(getattr(mod, "reset_parameters", None)):
                 kept = {n: mod._parameters[n] for n in tied}
                 for n in tied:  # the constructor initialized its own tensor, tied only afterwards
                     mod._parameters[n] = torch.nn.Parameter(  # torch.empty: shapes only, nothing gathered
