@@ -443,10 +443,16 @@ def _wait_polling_completion(work: Any, op: str, group: ProcessGroup, what: str)
     work.wait()
 
 
+def _sliced_wait(t: torch.Tensor, group: ProcessGroup) -> bool:
+    """Whether waits on ``t``'s collective can be cut into slices: gloo's ``wait(timeout)`` leaves the work
+    running; NCCL's does not block the CPU at all, MPI's refuses a timeout."""
+    return t.device.type == "cpu" and "gloo" in str(dist.get_backend(group)).lower()
+
+
 def _run(op: str, t: torch.Tensor, group: ProcessGroup, issue: Callable[[bool], Any]) -> None:
-    """Issue a collective (``issue(async_op)``) and wait for it: on CPU (gloo) through :func:`wait`,
-    watching for a failed peer; elsewhere (NCCL) exactly as torch's synchronous call does."""
-    if t.device.type != "cpu":
+    """Issue a collective (``issue(async_op)``) and wait for it: on gloo through :func:`wait`, watching
+    for a failed peer; elsewhere (NCCL) exactly as torch's synchronous call does."""
+    if not _sliced_wait(t, group):
         issue(False)  # NCCL: the current stream waits, the CPU does not block
         return
     try:  # (not `with reporting(op)`: a plain try costs nothing on the hot path)
@@ -472,7 +478,7 @@ def rendezvous(fingerprint: int, what: str, group: ProcessGroup,
     t = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=group_device(group))
     work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
     op = f"the rendezvous before {what}"
-    if t.device.type == "cpu":
+    if _sliced_wait(t, group):
         wait(work, op, group, what=what)
     else:
         _wait_polling_completion(work, op, group, what)
