@@ -117,5 +117,20 @@ def test_storage_key_shared_by_aliases_and_stable_across_resize():
 def test_is_dynamo_restart():
     from torch._dynamo.exc import TensorifyScalarRestartAnalysis
 
-    assert _torch_compat.is_dynamo_restart(TensorifyScalarRestartAnalysis())
-    assert not _torch_compat.is_dynamo_restart(RuntimeError("x"))
+    assert tc.is_dynamo_restart(TensorifyScalarRestartAnalysis())
+    assert not tc.is_dynamo_restart(RuntimeError("x"))
+
+
+def test_default_store_is_the_process_groups_store(tmp_path):
+    import torch.distributed as dist
+
+    assert tc.default_store() is None  # no process group yet
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        store = tc.default_store()
+        store.set("zinf/probe", "x")
+        assert store.check(["zinf/probe"]) and store.get("zinf/probe") == b"x"
+        assert store.compare_set("zinf/first", "", "a") == b"a"
+        assert store.compare_set("zinf/first", "", "b") == b"a"  # the first value posted stays
+    finally:
+        dist.destroy_process_group()

@@ -9,7 +9,7 @@ custom-pass hook. When a torch release moves one of them, this file is the only 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.fx
@@ -146,3 +146,17 @@ def is_dynamo_restart(exc: BaseException) -> bool:
     from torch._dynamo.exc import RestartAnalysis
 
     return isinstance(exc, RestartAnalysis)
+
+
+def default_store() -> Optional[Any]:
+    """The default process group's c10d store (``torch.distributed.distributed_c10d._get_default_store``,
+    private; torch 2.13 has no public accessor), or None when there is none. zinf posts a failed rank's
+    error there so the other ranks stop instead of waiting (``zinf_runtime.comm.post_failure``)."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+    except ImportError:  # pragma: no cover - torch moved it: failures then end in the collective timeout
+        return None
+    try:
+        return _get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None

@@ -167,6 +167,11 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: Conf
     _check_dtypes(gm, example_inputs)
     inputs_params = [t for t in example_inputs if isinstance(t, torch.nn.Parameter)]
     before = {id(t) for t in inputs_params if zinf_runtime.handle_of(t) is not None}
+    if len(before) < len(inputs_params):  # partitioning broadcasts: ranks must agree on the parameters first
+        phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        rendezvous.check_compile(record.name, [(_param_name(phs[i]) if i < len(phs) else f"input{i}", t)
+                                               for i, t in enumerate(example_inputs)
+                                               if isinstance(t, torch.nn.Parameter)], cfg.resolved_group())
     device_type = inputs_params[0].device.type if inputs_params else "cpu"
     params: dict[int, ParamInfo] = {}
     try:
@@ -194,7 +199,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: Conf
     fallback.install_call_guards([example_inputs[i] for i in params])
     # ranks must agree on the graph and on how it runs (rewritten or gather-all: other collectives)
     how = "gather-all fallback" if record.counters.get("gather_all_fallback") else "rewritten"
-    compiled = rendezvous.guard(compiled, params, cfg.resolved_group(), f"{record.name} ({how})")
+    compiled = rendezvous.guard(compiled, params, cfg.resolved_group(), f"{record.name} ({how})", record=record)
     return fallback.guard_other_instances(compiled, params, example_inputs)
 
 
