@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ._ckpt_load import load_into
 from ._ckpt_state import build_save_state, unwrap
@@ -170,7 +171,7 @@ def save(path: "str | os.PathLike", model: torch.nn.Module, optimizer: Optional[
             dcp.save(state, storage_writer=writer, planner=SavePlanner(pieces, _progress(total, "zinf save")))
         finally:
             ctx.__exit__(None, None, None)
-    except Exception as exc:  # noqa: BLE001 - every rank raises, with the root cause named
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - every rank raises, root cause named
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         root = _root_oserror(exc)
