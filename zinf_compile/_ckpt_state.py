@@ -55,7 +55,10 @@ def unit_states(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter, h: Para
 
 
 def _reader(v: Any):
-    return v.get if isinstance(v, Slot) else (lambda: v)
+    """``Piece.start`` of a slot (an NVMe read in flight, or the resident tensor) or of a tensor."""
+    if isinstance(v, Slot):
+        return v.get_async
+    return lambda: (v, None)
 
 
 def build_save_state(mod: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: Any,
