@@ -30,7 +30,7 @@ HERE = os.path.dirname(__file__)
 WORKER = os.path.join(HERE, "workers", "ckpt_worker.py")
 
 
-def run_worker(job: dict, nproc: int = 1, timeout: int = 180) -> subprocess.CompletedProcess:
+def run_worker(job: dict, nproc: int = 1, timeout: int = 400) -> subprocess.CompletedProcess:
     """Run one worker job (under torchrun when nproc > 1); a hang fails at ``timeout``."""
     if nproc == 1:
         cmd = [sys.executable, WORKER, json.dumps(job)]
