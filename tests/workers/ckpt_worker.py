@@ -38,8 +38,9 @@ LR = {"adamw": dict(lr=1e-3, weight_decay=0.1), "sgd": dict(lr=0.05, momentum=0.
 
 
 def inject(save_path: str, kind: str, after_bytes: int) -> None:
-    """Make writes into ``save_path.tmp`` fail once ``after_bytes`` were written there."""
-    tmp = os.path.abspath(save_path) + ".tmp"
+    """Make writes into the checkpoint (``save_path`` or any sibling named from it, e.g. ``.tmp``) fail
+    once ``after_bytes`` were written there."""
+    target = os.path.abspath(save_path)
     written = [0]
     real_open = pathlib.Path.open
 
@@ -54,7 +55,7 @@ def inject(save_path: str, kind: str, after_bytes: int) -> None:
             return super().write(b)
 
     def open_(self, mode="r", *args, **kwargs):
-        if ("w" in mode or "a" in mode) and str(os.path.abspath(self)).startswith(tmp + os.sep):
+        if ("w" in mode or "a" in mode) and str(os.path.abspath(self)).startswith(target):
             return io.BufferedWriter(Faulty(str(self), "w"))
         return real_open(self, mode, *args, **kwargs)
 
