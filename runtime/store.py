@@ -150,6 +150,9 @@ class ParamHandle:
             return self.tiles
         if self.grad_slot.present:
             raise RuntimeError(f"zinf: cannot tile {self.name} while it holds an accumulated gradient")
+        if self.optim_slots or self.optim_small:  # re-tiling would drop the NVMe moments silently
+            raise RuntimeError(f"zinf: cannot tile {self.name}: it already holds optimizer state (stepped, or "
+                               "loaded from a checkpoint before its first call); load after the first call")
         full = self._full_flat().view(self.shape)
         tiles = []
         for i, (lo, hi) in enumerate(bounds):

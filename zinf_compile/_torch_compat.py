@@ -160,3 +160,36 @@ def default_store() -> Optional[Any]:
         return _get_default_store()
     except (RuntimeError, ValueError, AttributeError):
         return None
+
+
+def compile_options_of(module: Any) -> Any:
+    """``(backend, options)`` that ``torch.compile(module, backend=..., options=...)`` (an
+    ``OptimizedModule``) or ``module.compile(...)`` (in place) was given, or None if uncompiled.
+
+    Checkpoint loading needs them before the first call, when nothing is partitioned yet: the options
+    say where the shards go. Dynamo keeps the backend wrapper (``_TorchCompileWrapper``, holding
+    ``kwargs["options"]``) at the end of the ``_torchdynamo_orig_backend`` chain of its context's
+    callback; an in-place compile keeps that context in the closure of ``_compiled_call_impl``.
+    """
+    from torch._dynamo.eval_frame import innermost_backend
+
+    ctx = getattr(module, "dynamo_ctx", None)
+    if ctx is None:
+        fn = getattr(module, "_compiled_call_impl", None)
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:
+                continue
+            if hasattr(value, "callback"):
+                ctx = value
+                break
+    callback = getattr(ctx, "callback", None)
+    if callback is None or not callable(callback):
+        return None
+    backend = innermost_backend(callback)
+    name = getattr(backend, "compiler_name", None)
+    kwargs = getattr(backend, "kwargs", None)
+    if name is None or kwargs is None:
+        return None
+    return name, kwargs.get("options")
