@@ -174,8 +174,10 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: Conf
                                                if isinstance(t, torch.nn.Parameter)], cfg.resolved_group())
     device_type = inputs_params[0].device.type if inputs_params else "cpu"
     params: dict[int, ParamInfo] = {}
+    guarded: List[Any] = []
     try:
         params = _partition_inputs(gm, example_inputs, cfg)
+        guarded = [example_inputs[i] for i in params]  # before a pass adds tile inputs to params
         record.counters["partitioned_inputs"] = len(params)
         if cfg.trace:
             _start_trace(cfg, [example_inputs[i] for i in params])
@@ -196,7 +198,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: Conf
         compiled = _fall_back(gm, params, cfg, device_type, record, _reason(exc), {})
     # after compiling: a forward pre-hook registered before a Dynamo restart (dynamic=True) would
     # send the retrace down another call path than the first trace, which Dynamo refuses
-    fallback.install_call_guards([example_inputs[i] for i in params])
+    fallback.install_call_guards(guarded)
     # ranks must agree on the graph and on how it runs (rewritten or gather-all: other collectives)
     how = "gather-all fallback" if record.counters.get("gather_all_fallback") else "rewritten"
     compiled = rendezvous.guard(compiled, params, cfg.resolved_group(), f"{record.name} ({how})", record=record)
