@@ -46,7 +46,6 @@ pytest.importorskip("transformers", reason="transformers is installed by `make s
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
 from hf_common import NAMES, batches, loss_fn, loss_terms, make_model  # noqa: E402
 
-pytestmark = pytest.mark.parity
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "hf_dp.py")
 STEPS = 3
@@ -65,6 +64,7 @@ def _options(params: str, optim: str, nvme_dir) -> dict:
     return opts
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name,params,optim", DP1, ids=[f"{m}-{p}-{o}" for m, p, o in DP1])
 def test_hf_model_dp1_matches_eager_bitwise(tmp_path, name, params, optim):
     run = train_pair(lambda: make_model(name), batches(name, STEPS), _options(params, optim, tmp_path),
