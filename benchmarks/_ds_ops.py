@@ -1,7 +1,8 @@
 """``make bench-setup``: build DeepSpeed's CPU ops once (JIT: g++ + ninja), so no compare.py row pays the build.
 
-DeepSpeed on a CPU-only machine (``DS_ACCELERATOR=cpu``) steps ZeRO-3 with its FusedAdam (CPU build),
-ZeRO-Offload with DeepSpeedCPUAdam, and swaps to NVMe through its async_io op (libaio). Each op is
+DeepSpeed on a CPU-only machine (``DS_ACCELERATOR=cpu``) builds its pin_memory op on import, steps
+ZeRO-3 with its FusedAdam (CPU build), ZeRO-Offload with DeepSpeedCPUAdam, and swaps to NVMe through
+its async_io op (libaio). Each op is
 compiled the first time it is loaded and cached under ``~/.cache/torch_extensions``; loading it here
 puts that compile in the setup instead of in a benchmark row's first step.
 """
@@ -18,7 +19,7 @@ def main() -> int:
     from deepspeed.accelerator import get_accelerator
 
     failed = []
-    for name in ("CPUAdamBuilder", "FusedAdamBuilder", "AsyncIOBuilder"):
+    for name in ("CPUAdamBuilder", "FusedAdamBuilder", "AsyncIOBuilder", "PinMemoryBuilder"):
         builder = get_accelerator().create_op_builder(name)
         try:
             builder.load()

@@ -105,10 +105,10 @@ def machine(nvme_root: str) -> Dict[str, Any]:
             best, dev, fs = mnt, d, typ
     rot = _read(f"/sys/block/{os.path.basename(dev)}/queue/rotational").strip()
     versions: Dict[str, str] = {"python": platform.python_version()}
-    for mod in ("torch", "deepspeed"):
-        code = f"import os; os.environ['DS_ACCELERATOR']='cpu'; import {mod}; print({mod}.__version__)"
+    for mod in ("torch", "deepspeed"):  # from the package metadata: importing deepspeed may JIT-build an op
+        code = f"import importlib.metadata as m; print(m.version({mod!r}))"
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(1))
-        versions[mod] = p.stdout.strip().splitlines()[-1] if p.returncode == 0 and p.stdout.strip() else "not importable"
+        versions[mod] = p.stdout.strip() if p.returncode == 0 and p.stdout.strip() else "not installed"
     return {"cpu": cpu, "cores": os.cpu_count(), "ram_gib": round(mem_kib / 2**20, 1),
             "disk": {"device": dev, "fs": fs, "mount": best, "size_gib": round(du.total / 2**30),
                      "free_gib": round(du.free / 2**30), "rotational": rot or "?"},
@@ -169,7 +169,8 @@ def run_row(row: str, size: str, cfg: Dict[str, Any], args: argparse.Namespace, 
         log = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
     wall = time.time() - t0
     base = {"row": row, "label": LABELS[row], "size": size, "dp": dp, "threads_per_rank": threads,
-            "global_batch": args.global_batch, "seq": cfg["seq"], "run_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0)),
+            "global_batch": args.global_batch, "seq": cfg["seq"], "warmup": args.warmup, "steps": args.steps,
+            "run_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0)),
             "loadavg_before": load0, "loadavg_after": loadavg(), "wall_s": round(wall, 1)}
     with open(os.path.join(args.out, "logs", f"{size}-{row}.log"), "w") as f:
         f.write(" ".join(cmd) + "\n\n" + log)
@@ -256,6 +257,10 @@ def render(data: Dict[str, Any]) -> str:
                 f"| {r['first_step_s']:.1f} | {_ratio(r['first_step_s'], ref.get('first_step_s'))} "
                 f"| {r['rss_sum_mib']:.0f} | {r['rss_max_mib']:.0f} | {_ratio(r['rss_sum_mib'], ref.get('rss_sum_mib'))} "
                 f"| {r['losses'][-1]:.4f} | {when} |")
+        setups = {(r["global_batch"], r.get("warmup"), r.get("steps"), r["dp"], r["threads_per_rank"]) for r in rows.values()}
+        if len({(b, w, n) for b, w, n, _, _ in setups}) > 1 or len({(d, t) for _, _, _, d, t in setups}) > 2:
+            lines += ["", "**Rows of this size come from runs with different settings** (global batch, warm-up, "
+                      "timed steps or threads): see each row in compare.json before comparing them."]
         lines += [""] + [f"- {g}" for g in goals(rows)] + [""]
     return "\n".join(lines) + "\n"
 

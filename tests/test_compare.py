@@ -1,6 +1,7 @@
 """``benchmarks/compare.py --quick``: every requested row is in the JSON and the markdown, measured or with its why.
 
-Three cheap rows run for real (eager, Inductor, zinf dp 1) on the tiny model; the DeepSpeed row runs
+Two cheap rows run for real (eager, zinf dp 1) on the tiny model (an Inductor row would add one more
+cold compile, ~20 s idle: the zinf row already compiles with Inductor underneath); the DeepSpeed row runs
 with ``deepspeed`` made unimportable (a package on PYTHONPATH whose import raises, as on CI where it
 is not installed), and must stay in the table with the error's first line instead of being dropped.
 """
@@ -26,9 +27,9 @@ def quick_run(tmp_path_factory):
     (hide / "__init__.py").write_text("raise ImportError(\"No module named 'deepspeed' (hidden by test_compare)\")\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hide.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     out = tmp / "out"
-    cmd = [sys.executable, COMPARE, "--quick", "--systems", "eager,inductor,zinf,ds", "--out", str(out),
-           "--nvme-dir", str(tmp), "--timeout", "240"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    cmd = [sys.executable, COMPARE, "--quick", "--systems", "eager,zinf,ds", "--out", str(out),
+           "--nvme-dir", str(tmp), "--timeout", "900"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stdout + p.stderr
     with open(out / "compare.json") as f:
         data = json.load(f)
@@ -38,8 +39,8 @@ def quick_run(tmp_path_factory):
 def test_measured_rows_have_their_fields(quick_run):
     data, md, _ = quick_run
     rows = data["rows"]["quick"]
-    assert set(rows) == {"eager", "inductor", "zinf", "ds"}
-    for name in ("eager", "inductor", "zinf"):
+    assert set(rows) == {"eager", "zinf", "ds"}
+    for name in ("eager", "zinf"):
         r = rows[name]
         assert r["ok"], r
         assert r["dp"] == 1 and len(r["step_s"]) == 2 and len(r["warmup_s"]) == 1
@@ -47,7 +48,7 @@ def test_measured_rows_have_their_fields(quick_run):
         assert r["rss_sum_mib"] >= r["rss_max_mib"] > 0
         assert len(r["losses"]) == 4
     # the same model, data and optimizer: the first step's loss (before any update) is the same everywhere
-    first = [rows[n]["losses"][0] for n in ("eager", "inductor", "zinf")]
+    first = [rows[n]["losses"][0] for n in ("eager", "zinf")]
     assert max(first) - min(first) < 1e-5, first
     for field in ("cpu", "cores", "ram_gib", "disk"):
         assert field in data["machine"]
@@ -79,8 +80,8 @@ def test_rerun_merges_rows(quick_run, tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     with open(out / "compare.json") as f:
         merged = json.load(f)["rows"]["quick"]
-    assert set(merged) == {"eager", "inductor", "zinf", "ds"}
-    for name in ("eager", "inductor", "zinf"):
+    assert set(merged) == {"eager", "zinf", "ds"}
+    for name in ("eager", "zinf"):
         assert merged[name] == data["rows"]["quick"][name]
     assert "hidden again" in merged["ds"]["why"]
     md = (out / "compare.md").read_text()
