@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -160,13 +161,19 @@ def run_row(row: str, size: str, cfg: Dict[str, Any], args: argparse.Namespace, 
                "--master-addr", "127.0.0.1", "--master-port", str(_free_port())] + wargs
     load0, t0 = loadavg(), time.time()
     rc: Optional[int]
+    # its own session, so a timeout or an interrupt kills torchrun's ranks too, not only the launcher
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                         env=_env(threads, cache=os.path.join(work, "inductor-cache")))
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                           env=_env(threads, cache=os.path.join(work, "inductor-cache")))
-        rc, log = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
-        rc = None
-        log = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
+        log, _ = p.communicate(timeout=args.timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        log, rc = p.communicate()[0] or "", None
+    except BaseException:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        raise
     wall = time.time() - t0
     base = {"row": row, "label": LABELS[row], "size": size, "dp": dp, "threads_per_rank": threads,
             "global_batch": args.global_batch, "seq": cfg["seq"], "warmup": args.warmup, "steps": args.steps,
@@ -208,11 +215,13 @@ def goals(rows: Dict[str, Dict[str, Any]]) -> List[str]:
         else:
             out.append(f"n/a  {text}: a row did not run")
     offl = {r: v["rss_sum_mib"] for r, v in rows.items() if v.get("ok") and ("cpu" in r or "nvme" in r) and v["dp"] == 2}
-    if offl:
+    if any(r.startswith("zinf") for r in offl) and len(offl) > 1:
         low = min(offl, key=offl.get)
         verdict = "PASS" if low.startswith("zinf") else "MISS"
         out.append(f"{verdict} zinf's peak RSS the lowest of the dp-2 offloading rows: lowest is {low} "
                    f"({offl[low]:.0f} MiB summed over ranks)")
+    else:
+        out.append("n/a  zinf's peak RSS the lowest of the dp-2 offloading rows: no zinf offloading row, or no peer, ran")
     return out
 
 
@@ -235,6 +244,8 @@ def render(data: Dict[str, Any]) -> str:
         f"Load average (1, 5, 15 min) at start {data['loadavg_start']}, at end {data['loadavg_end']}; "
         f"the machine is shared, so each row also records its own (JSON: loadavg_before/after).", "",
     ]
+    if data.get("interrupted_at"):
+        lines += [f"**The run was stopped during {data['interrupted_at']}**: rows without numbers were not reached.", ""]
     for size, rows in data["rows"].items():
         ref = rows.get("inductor", {}) if rows.get("inductor", {}).get("ok") else {}
         anyrow = next(iter(rows.values()))
@@ -245,7 +256,9 @@ def render(data: Dict[str, Any]) -> str:
                   "last loss | run at (load 1m) |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in ROWS:
-            if row not in rows:
+            if row not in rows:  # never dropped silently: the row is listed with why it has no numbers
+                lines.append(f"| {LABELS[row]} | {ROWS[row][1]} | not run: no result recorded (not requested, or the "
+                             f"run stopped before it) | | | | | | | | |")
                 continue
             r = rows[row]
             when = f"{r['run_at'][11:16]} ({r['loadavg_before'][0]:.1f})"
@@ -290,6 +303,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per row")
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for compare.json / compare.md / logs")
     ap.add_argument("--no-merge", action="store_true", help="replace compare.json instead of merging rows into it")
+    ap.add_argument("--render-only", action="store_true", help="rewrite compare.md from compare.json; run nothing")
     args = ap.parse_args(argv)
     if args.quick:
         args.sizes = "quick" if args.sizes == "small,large" else args.sizes
@@ -309,6 +323,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if os.path.exists(path) and not args.no_merge:
         with open(path) as f:
             data = json.load(f)
+    if args.render_only:
+        if not data.get("rows"):
+            raise SystemExit(f"--render-only: no rows in {path}")
+        return _write(data, args.out, path, final=False)
     cmd = "python benchmarks/compare.py " + " ".join(argv if argv is not None else sys.argv[1:])
     data.update(machine=machine(os.path.abspath(args.nvme_dir)), command=cmd.strip(), sizes=SIZES,
                 config={"global_batch": args.global_batch, "warmup": args.warmup, "steps": args.steps,
@@ -317,12 +335,19 @@ def main(argv: Optional[List[str]] = None) -> int:
                 loadavg_start=loadavg())
     data.setdefault("rows", {})
     tmp = tempfile.mkdtemp(prefix="zinf-compare-")
+    # SIGTERM (a kill, a job's time limit) ends the run like Ctrl-C: what was measured is written out
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         for size in sizes:
             cfg = SIZES[size]
             for row in rows:
                 print(f"[{time.strftime('%H:%M:%S')}] {size} {row} (dp {ROWS[row][1]}) ...", flush=True)
-                res = run_row(row, size, cfg, args, tmp)
+                try:
+                    res = run_row(row, size, cfg, args, tmp)
+                except KeyboardInterrupt:
+                    print(f"    interrupted: {size} {row} and the rows after it keep their earlier results, if any")
+                    data["interrupted_at"] = f"{size} {row} {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}"
+                    return _write(data, args.out, path, status=130)
                 data["rows"].setdefault(size, {})[row] = res
                 if res["ok"]:
                     print(f"    step {res['median_step_s']:.3f} s, first {res['first_step_s']:.1f} s, "
@@ -335,14 +360,21 @@ def main(argv: Optional[List[str]] = None) -> int:
                     json.dump(data, f, indent=1)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    data["loadavg_end"] = loadavg()
+    data.pop("interrupted_at", None)
+    return _write(data, args.out, path)
+
+
+def _write(data: Dict[str, Any], out: str, path: str, status: int = 0, final: bool = True) -> int:
+    """compare.json and compare.md from ``data``; prints the markdown."""
+    if final:
+        data["loadavg_end"] = loadavg()
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
     md = render(data)
-    with open(os.path.join(args.out, "compare.md"), "w") as f:
+    with open(os.path.join(out, "compare.md"), "w") as f:
         f.write(md)
     print("\n" + md)
-    return 0
+    return status
 
 
 if __name__ == "__main__":

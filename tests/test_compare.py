@@ -85,4 +85,4 @@ def test_rerun_merges_rows(quick_run, tmp_path):
         assert merged[name] == data["rows"]["quick"][name]
     assert "hidden again" in merged["ds"]["why"]
     md = (out / "compare.md").read_text()
-    assert "| zinf | 1 |" in md and "hidden again" in md
+    assert f"| zinf | 1 | {merged['zinf']['median_step_s']:.3f} |" in md and "hidden again" in md
