@@ -185,6 +185,8 @@ def run(args: argparse.Namespace) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     step, notes = build(args.system, model, args.global_batch, args.nvme)
     setup_s = time.perf_counter() - t0
+    if rank == 0:
+        print(f"{args.system}: {n_params:,} params, set up in {setup_s:.1f} s", file=sys.stderr, flush=True)
     times: List[float] = []
     losses: List[float] = []
     for i in range(1 + args.warmup + args.steps):
@@ -196,6 +198,8 @@ def run(args: argparse.Namespace) -> None:
         loss = step(x, y)
         losses.append(float(loss.detach()))  # on CPU the step is done when it returns
         times.append(time.perf_counter() - t)
+        if rank == 0:  # progress for the row's log (a timed-out row shows how far it got)
+            print(f"step {i}: {times[-1]:.3f} s, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     hwm = _status_kib("VmHWM")
     if world > 1:
         gathered: List[Any] = [None] * world
