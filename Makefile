@@ -20,8 +20,8 @@ $(VENV)/.zinf-setup: pyproject.toml Makefile
 # The peers of benchmarks/compare.py; not part of setup or test (CI does not install them). Idempotent:
 # libaio-dev only when missing (DeepSpeed's NVMe offload builds its async_io op against it), DeepSpeed
 # pinned and installed with --no-deps --no-build-isolation so it can never pull a CUDA torch, its light
-# dependencies by name, then its CPU Adam and async_io ops built once (JIT, g++ + ninja) so that no
-# benchmark row pays the build.
+# dependencies by name, then its CPU ops built once (JIT, g++ + ninja) into .venv/torch_extensions
+# (not the per-user cache that other checkouts share) so that no benchmark row pays the build.
 DEEPSPEED := deepspeed==0.19.8
 bench-setup: $(VENV)/.zinf-bench-setup
 
@@ -29,7 +29,8 @@ $(VENV)/.zinf-bench-setup: $(VENV)/.zinf-setup
 	@if ! dpkg -s libaio-dev >/dev/null 2>&1; then apt-get update && apt-get install -y libaio-dev; fi
 	$(BIN)/pip install -q einops hjson msgpack ninja 'packaging>=20.0' psutil py-cpuinfo 'pydantic>=2.0.0'
 	$(BIN)/pip install -q --no-deps --no-build-isolation $(DEEPSPEED)
-	DS_ACCELERATOR=cpu PATH=$(abspath $(BIN)):$$PATH $(BIN)/python benchmarks/_ds_ops.py
+	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions PATH=$(abspath $(BIN)):$$PATH \
+		$(BIN)/python benchmarks/_ds_ops.py
 	touch $@
 
 demo: setup

@@ -1,10 +1,10 @@
 """``make bench-setup``: build DeepSpeed's CPU ops once (JIT: g++ + ninja), so no compare.py row pays the build.
 
-DeepSpeed on a CPU-only machine (``DS_ACCELERATOR=cpu``) builds its pin_memory op on import, steps
-ZeRO-3 with its FusedAdam (CPU build), ZeRO-Offload with DeepSpeedCPUAdam, and swaps to NVMe through
-its async_io op (libaio). Each op is
-compiled the first time it is loaded and cached under ``~/.cache/torch_extensions``; loading it here
-puts that compile in the setup instead of in a benchmark row's first step.
+DeepSpeed on a CPU-only machine (``DS_ACCELERATOR=cpu``) builds its pin_memory op on import and its
+shm_comm op at init, steps ZeRO-3 with its FusedAdam (CPU build), ZeRO-Offload with DeepSpeedCPUAdam,
+and swaps to NVMe through its async_io op (libaio). Each op is compiled the first time it is loaded
+and cached under ``$TORCH_EXTENSIONS_DIR`` (the Makefile: the venv's); loading it here puts that
+compile in the setup instead of in a benchmark row's first step.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def main() -> int:
     from deepspeed.accelerator import get_accelerator
 
     failed = []
-    for name in ("CPUAdamBuilder", "FusedAdamBuilder", "AsyncIOBuilder", "PinMemoryBuilder"):
+    for name in ("CPUAdamBuilder", "FusedAdamBuilder", "AsyncIOBuilder", "PinMemoryBuilder", "ShareMemCommBuilder"):
         builder = get_accelerator().create_op_builder(name)
         try:
             builder.load()

@@ -121,6 +121,9 @@ def machine(nvme_root: str) -> Dict[str, Any]:
 # ------------------------------------------------------------------------------------------------
 def _env(threads: int, cache: Optional[str] = None) -> Dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), DS_ACCELERATOR="cpu")
+    # DeepSpeed's JIT-built ops live beside this venv (as make bench-setup built them), not in the
+    # per-user ~/.cache/torch_extensions, where another checkout's torch would rebuild them under a lock
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     if cache:
         env["TORCHINDUCTOR_CACHE_DIR"] = cache
     return env
