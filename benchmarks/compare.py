@@ -5,15 +5,16 @@ eager PyTorch, Inductor, FSDP2 and DeepSpeed ZeRO-3 on the same model, data and 
 machine at the same time. Each row runs in a fresh subprocess (``_compare_worker.py``; ``torchrun``
 with gloo for dp = 2), with its own empty Inductor cache, so the first step includes a cold compile.
 
-    rows                     what runs
-    eager, inductor          plain model / torch.compile(model), torch.optim.AdamW, dp 1
-    fsdp2, fsdp2-cpu         fully_shard (each Block + root), without / with CPUOffloadPolicy, dp 2
-    ds, ds-cpu, ds-nvme      DeepSpeed ZeRO-3 (DS_ACCELERATOR=cpu), no / CPU / NVMe offload, dp 2
-    zinf, zinf-cpu, zinf-nvme            backend="zinf", params + optimizer none / cpu / nvme, dp 1
-    zinf-dp2, zinf-cpu-dp2, zinf-nvme-dp2   the same at dp 2
+    rows                                        what runs
+    eager, inductor                             plain model / torch.compile(model), torch.optim.AdamW, dp 1
+    fsdp2-none, fsdp2-cpu                       fully_shard (each Block + root), without / with CPUOffloadPolicy, dp 2
+    ds-none, ds-cpu, ds-nvme                    DeepSpeed ZeRO-3 (DS_ACCELERATOR=cpu), no / CPU / NVMe offload, dp 2
+    zinf-none-dp1, zinf-cpu-dp1, zinf-nvme-dp1  backend="zinf", params + optimizer none / cpu / nvme, dp 1
+    zinf-none-dp2, zinf-cpu-dp2, zinf-nvme-dp2  the same at dp 2
 
     python benchmarks/compare.py                          # both sizes, every row -> benchmarks/results/
-    python benchmarks/compare.py --systems zinf           # re-run the zinf rows, merged into the JSON
+    python benchmarks/compare.py --systems zinf           # re-run the six zinf rows, merged into the JSON
+    python benchmarks/compare.py --systems 'zinf-*-dp2,ds-nvme' --sizes large
     python benchmarks/compare.py --quick --out /tmp/cmp   # tiny model, 2 timed steps: a smoke test
 
 Reported per row: the median of the timed steps (after the first step and ``--warmup`` steps), the
@@ -27,6 +28,7 @@ DeepSpeed rows need ``make bench-setup``.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import platform
@@ -43,24 +45,26 @@ from typing import Any, Dict, List, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_compare_worker.py")
 
-# row -> (worker system, dp)
+# row -> (worker system, dp). No row name is also a family name, so --systems is never ambiguous.
 ROWS: Dict[str, tuple] = {
     "eager": ("eager", 1), "inductor": ("inductor", 1),
-    "fsdp2": ("fsdp2", 2), "fsdp2-cpu": ("fsdp2-cpu", 2),
-    "ds": ("ds", 2), "ds-cpu": ("ds-cpu", 2), "ds-nvme": ("ds-nvme", 2),
-    "zinf": ("zinf", 1), "zinf-cpu": ("zinf-cpu", 1), "zinf-nvme": ("zinf-nvme", 1),
-    "zinf-dp2": ("zinf", 2), "zinf-cpu-dp2": ("zinf-cpu", 2), "zinf-nvme-dp2": ("zinf-nvme", 2),
+    "fsdp2-none": ("fsdp2", 2), "fsdp2-cpu": ("fsdp2-cpu", 2),
+    "ds-none": ("ds", 2), "ds-cpu": ("ds-cpu", 2), "ds-nvme": ("ds-nvme", 2),
+    "zinf-none-dp1": ("zinf", 1), "zinf-cpu-dp1": ("zinf-cpu", 1), "zinf-nvme-dp1": ("zinf-nvme", 1),
+    "zinf-none-dp2": ("zinf", 2), "zinf-cpu-dp2": ("zinf-cpu", 2), "zinf-nvme-dp2": ("zinf-nvme", 2),
 }
 LABELS = {
     "eager": "eager PyTorch", "inductor": "torch.compile (Inductor)",
-    "fsdp2": "FSDP2", "fsdp2-cpu": "FSDP2 + CPUOffloadPolicy",
-    "ds": "DeepSpeed ZeRO-3", "ds-cpu": "DeepSpeed ZeRO-3, CPU offload", "ds-nvme": "DeepSpeed ZeRO-3, NVMe offload",
-    "zinf": "zinf", "zinf-cpu": "zinf, CPU offload", "zinf-nvme": "zinf, NVMe offload",
-    "zinf-dp2": "zinf", "zinf-cpu-dp2": "zinf, CPU offload", "zinf-nvme-dp2": "zinf, NVMe offload",
+    "fsdp2-none": "FSDP2", "fsdp2-cpu": "FSDP2 + CPUOffloadPolicy",
+    "ds-none": "DeepSpeed ZeRO-3", "ds-cpu": "DeepSpeed ZeRO-3, CPU offload",
+    "ds-nvme": "DeepSpeed ZeRO-3, NVMe offload",
+    "zinf-none-dp1": "zinf", "zinf-cpu-dp1": "zinf, CPU offload", "zinf-nvme-dp1": "zinf, NVMe offload",
+    "zinf-none-dp2": "zinf", "zinf-cpu-dp2": "zinf, CPU offload", "zinf-nvme-dp2": "zinf, NVMe offload",
 }
-# family filters accepted by --systems besides row names
-FAMILIES = {"zinf": [r for r in ROWS if r.startswith("zinf")], "ds": ["ds", "ds-cpu", "ds-nvme"],
-            "deepspeed": ["ds", "ds-cpu", "ds-nvme"], "fsdp2": ["fsdp2", "fsdp2-cpu"]}
+# --systems also takes these families, and shell-style patterns over row names ("zinf-*-dp2", "*-nvme*")
+FAMILIES = {"zinf": [r for r in ROWS if r.startswith("zinf")], "ds": ["ds-none", "ds-cpu", "ds-nvme"],
+            "deepspeed": ["ds-none", "ds-cpu", "ds-nvme"], "fsdp2": ["fsdp2-none", "fsdp2-cpu"],
+            "peers": ["eager", "inductor", "fsdp2-none", "fsdp2-cpu", "ds-none", "ds-cpu", "ds-nvme"]}
 
 # GPT-style sizes (zinf_compile.models.GPTConfig); the LM head is tied to the token embedding
 SIZES: Dict[str, Dict[str, Any]] = {
@@ -207,7 +211,7 @@ def goals(rows: Dict[str, Dict[str, Any]]) -> List[str]:
         return rows[r]["median_step_s"] if rows.get(r, {}).get("ok") else None
 
     out = []
-    checks = [("zinf no offload <= 1.05x Inductor", "zinf", "inductor", 1.05),
+    checks = [("zinf no offload <= 1.05x Inductor", "zinf-none-dp1", "inductor", 1.05),
               ("zinf CPU offload (dp 2) <= 0.9x FSDP2 CPUOffloadPolicy", "zinf-cpu-dp2", "fsdp2-cpu", 0.9),
               ("zinf CPU offload (dp 2) < DeepSpeed CPU offload", "zinf-cpu-dp2", "ds-cpu", 1.0),
               ("zinf NVMe offload (dp 2) <= 0.8x DeepSpeed NVMe offload", "zinf-nvme-dp2", "ds-nvme", 0.8)]
@@ -273,6 +277,11 @@ def render(data: Dict[str, Any]) -> str:
                 f"| {r['first_step_s']:.1f} | {_ratio(r['first_step_s'], ref.get('first_step_s'))} "
                 f"| {r['rss_sum_mib']:.0f} | {r['rss_max_mib']:.0f} | {_ratio(r['rss_sum_mib'], ref.get('rss_sum_mib'))} "
                 f"| {r['losses'][-1]:.4f} | {when} |")
+        for row in rows:
+            if row not in ROWS:  # from an older compare.py with other row names: shown, not dropped
+                lines.append(f"| {row} (row name unknown to this compare.py) | {rows[row].get('dp', '?')} | "
+                             f"{'%.3f' % rows[row]['median_step_s'] if rows[row].get('ok') else 'not run'} "
+                             f"| | | | | | | | |")
         setups = {(r["global_batch"], r.get("warmup"), r.get("steps"), r["dp"], r["threads_per_rank"]) for r in rows.values()}
         if len({(b, w, n) for b, w, n, _, _ in setups}) > 1 or len({(d, t) for _, _, _, d, t in setups}) > 2:
             lines += ["", "**Rows of this size come from runs with different settings** (global batch, warm-up, "
@@ -284,10 +293,10 @@ def render(data: Dict[str, Any]) -> str:
 def _select(spec: str) -> List[str]:
     rows: List[str] = []
     for name in (s.strip() for s in spec.split(",") if s.strip()):
-        picked = FAMILIES.get(name, [name] if name in ROWS else None)
-        if picked is None:
-            raise SystemExit(f"--systems: unknown {name!r}; rows are {', '.join(ROWS)} "
-                             f"(or the families {', '.join(FAMILIES)})")
+        picked = [name] if name in ROWS else FAMILIES.get(name) or fnmatch.filter(list(ROWS), name)
+        if not picked:
+            raise SystemExit(f"--systems: {name!r} matches no row; rows are {', '.join(ROWS)} "
+                             f"(or the families {', '.join(FAMILIES)}, or a pattern such as zinf-*-dp2)")
         rows += [r for r in picked if r not in rows]
     return rows
 
@@ -295,7 +304,7 @@ def _select(spec: str) -> List[str]:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description="zinf vs eager/Inductor/FSDP2/DeepSpeed: step time, first step, peak RSS.")
     ap.add_argument("--sizes", default="small,large", help=f"comma list of {', '.join(SIZES)}")
-    ap.add_argument("--systems", default="all", help="comma list of rows or families (zinf, ds, fsdp2); default all")
+    ap.add_argument("--systems", default="all", help="comma list of rows, families (zinf, ds, fsdp2, peers) or patterns (zinf-*-dp2); default all")
     ap.add_argument("--quick", action="store_true", help="tiny model, global batch 4, 2 timed steps (smoke test)")
     ap.add_argument("--global-batch", type=int, default=None, help="sequences per step over all ranks (default 4)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps after the first (default 1; quick 1)")
