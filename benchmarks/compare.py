@@ -290,6 +290,19 @@ def render(data: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# row names of the first compare.py (before they were made unambiguous): renamed when a JSON is loaded
+LEGACY = {"fsdp2": "fsdp2-none", "ds": "ds-none", "zinf": "zinf-none-dp1", "zinf-cpu": "zinf-cpu-dp1",
+          "zinf-nvme": "zinf-nvme-dp1", "zinf-dp2": "zinf-none-dp2"}
+
+
+def _migrate(data: Dict[str, Any]) -> Dict[str, Any]:
+    for rows in data.get("rows", {}).values():
+        for old, new in LEGACY.items():
+            if old in rows and new not in rows:
+                rows[new] = dict(rows.pop(old), row=new, label=LABELS[new])
+    return data
+
+
 def _select(spec: str) -> List[str]:
     rows: List[str] = []
     for name in (s.strip() for s in spec.split(",") if s.strip()):
@@ -334,7 +347,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     data: Dict[str, Any] = {}
     if os.path.exists(path) and not args.no_merge:
         with open(path) as f:
-            data = json.load(f)
+            data = _migrate(json.load(f))
     if args.render_only:
         if not data.get("rows"):
             raise SystemExit(f"--render-only: no rows in {path}")
