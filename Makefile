@@ -5,7 +5,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-all test-parity-default bench clean
+.PHONY: setup demo test test-all test-parity-default bench bench-setup clean
 
 setup: $(VENV)/.zinf-setup
 
@@ -15,6 +15,22 @@ $(VENV)/.zinf-setup: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0 triton==3.9.0 numpy pytest matplotlib transformers==5.24.0 accelerate==1.15.0 tqdm safetensors==0.8.0
 	$(BIN)/pip install -q --no-deps -e .
+	touch $@
+
+# The peers of benchmarks/compare.py; not part of setup or test (CI does not install them). Idempotent:
+# libaio-dev only when missing (DeepSpeed's NVMe offload builds its async_io op against it), DeepSpeed
+# pinned and installed with --no-deps --no-build-isolation so it can never pull a CUDA torch, its light
+# dependencies by name, then its CPU ops built once (JIT, g++ + ninja) into .venv/torch_extensions
+# (not the per-user cache that other checkouts share) so that no benchmark row pays the build.
+DEEPSPEED := deepspeed==0.19.8
+bench-setup: $(VENV)/.zinf-bench-setup
+
+$(VENV)/.zinf-bench-setup: $(VENV)/.zinf-setup
+	@if ! dpkg -s libaio-dev >/dev/null 2>&1; then apt-get update && apt-get install -y libaio-dev; fi
+	$(BIN)/pip install -q einops hjson msgpack ninja 'packaging>=20.0' psutil py-cpuinfo 'pydantic>=2.0.0'
+	$(BIN)/pip install -q --no-deps --no-build-isolation $(DEEPSPEED)
+	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions PATH=$(abspath $(BIN)):$$PATH \
+		$(BIN)/python benchmarks/_ds_ops.py
 	touch $@
 
 demo: setup

@@ -1,0 +1,250 @@
+"""One row of ``benchmarks/compare.py``: trains the shared GPT-style model under one system, in its own process.
+
+Launched by ``compare.py`` with plain ``python`` (dp = 1) or under ``torchrun`` (dp = 2, gloo), so no
+allocator state, compile cache or imported library of one system leaks into another's numbers. Every
+system gets the same model (``zinf_compile.models.GPT``, seed 0), the same batches
+(``make_batch(cfg, global_batch, seed=step)``, each rank its contiguous slice), the same AdamW
+hyper-parameters and the same number of threads per process.
+
+A step is forward + backward + optimizer step + zero_grad. Each rank times its own steps after a
+barrier (not timed), and the step's time is the slowest rank's: the step is done when every rank is.
+Peak RSS is each rank's ``VmHWM`` at the end (the kernel's high-water mark, not a sample).
+
+Rank 0 writes a JSON result; on an exception every rank writes ``<out>.rank<r>.err`` with the
+exception's first line, which ``compare.py`` shows in the table instead of dropping the row.
+
+    before:  python _compare_worker.py --system inductor --cfg '{...}' --out r.json
+    after:   r.json = {"step_s": [...], "first_step_s": ..., "rss_hwm_kib": [...], "loss": ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+
+# the optimizer every row uses (DeepSpeed builds its own AdamW from the same numbers)
+ADAMW = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
+    return int(m.group(1)) if m else 0
+
+
+def _rank_world() -> Tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+# ------------------------------------------------------------------------------------------------
+# the systems: each returns (step function, notes) for the model built from seed 0
+# ------------------------------------------------------------------------------------------------
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _plain(model: torch.nn.Module, compiled: bool) -> Tuple[Step, Dict[str, Any]]:
+    run = torch.compile(model) if compiled else model
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = run(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step, {"optimizer": "torch.optim.AdamW"}
+
+
+def _fsdp2(model: torch.nn.Module, offload: bool) -> Tuple[Step, Dict[str, Any]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+    # pin_memory=False: pinning needs a CUDA driver, and on a CPU-only machine it is refused
+    kw: Dict[str, Any] = {"mesh": mesh, "offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {"mesh": mesh}
+    for blk in model.blocks:
+        fully_shard(blk, **kw)
+    fully_shard(model, **kw)  # the root: embeddings (tied to the head), final LayerNorm
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step, {"optimizer": "torch.optim.AdamW over DTensor shards", "wrap": "each Block + root",
+                  "offload_policy": "CPUOffloadPolicy(pin_memory=False)" if offload else None}
+
+
+def _largest_param(model: torch.nn.Module) -> int:
+    return max(p.numel() for p in model.parameters())
+
+
+def _deepspeed(model: torch.nn.Module, offload: str, global_batch: int, nvme: str) -> Tuple[Step, Dict[str, Any]]:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed  # noqa: F401  (ImportError here is the row's "why")
+
+    world = int(os.environ["WORLD_SIZE"])
+    zero: Dict[str, Any] = {"stage": 3}
+    if offload == "cpu":
+        zero["offload_param"] = {"device": "cpu"}
+        zero["offload_optimizer"] = {"device": "cpu"}
+    elif offload == "nvme":
+        # buffer_size must hold the largest parameter (the tied embedding); DeepSpeed's default (1e8
+        # elements x 5 buffers = 2 GB per rank) would only inflate its RSS on these models
+        buf = _largest_param(model)
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": 5, "buffer_size": buf}
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme}
+    cfg = {
+        "train_batch_size": global_batch,
+        "train_micro_batch_size_per_gpu": global_batch // world,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": ADAMW["lr"], "betas": list(ADAMW["betas"]),
+                                                  "eps": ADAMW["eps"], "weight_decay": ADAMW["weight_decay"]}},
+        "zero_optimization": zero,
+        "aio": {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1, "single_submit": False,
+                "overlap_events": True},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
+                                             dist_init_required=False)
+    inner = getattr(opt, "optimizer", opt)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return step, {"optimizer": type(inner).__name__, "deepspeed": deepspeed.__version__,
+                  "accelerator": os.environ["DS_ACCELERATOR"], "zero_optimization": zero}
+
+
+def _zinf(model: torch.nn.Module, offload: str, nvme: str) -> Tuple[Step, Dict[str, Any]]:
+    import zinf_compile
+
+    options: Dict[str, Any] = {"offload_params": offload, "offload_optimizer": offload}
+    if offload == "nvme":
+        options["nvme_path"] = nvme
+    cmodel = torch.compile(model, backend="zinf", options=options)
+    opt = zinf_compile.optim.AdamW(model.parameters(), **ADAMW)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = cmodel(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step, {"optimizer": "zinf_compile.optim.AdamW", "options": options}
+
+
+def build(system: str, model: torch.nn.Module, global_batch: int, nvme: str) -> Tuple[Step, Dict[str, Any]]:
+    """``system`` is a row family from ``compare.py``: eager, inductor, fsdp2[-cpu], ds[-cpu|-nvme], zinf[-cpu|-nvme]."""
+    family, _, tier = system.partition("-")
+    if family in ("eager", "inductor"):
+        return _plain(model, compiled=family == "inductor")
+    if family == "fsdp2":
+        return _fsdp2(model, offload=tier == "cpu")
+    if family == "ds":
+        return _deepspeed(model, tier or "none", global_batch, nvme)
+    if family == "zinf":
+        return _zinf(model, tier or "none", nvme)
+    raise ValueError(f"unknown system {system!r}")
+
+
+# ------------------------------------------------------------------------------------------------
+# the run
+# ------------------------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    from zinf_compile.models import GPT, GPTConfig, make_batch
+
+    rank, world = _rank_world()
+    torch.set_num_threads(args.threads)
+    if world > 1:
+        dist.init_process_group("gloo")
+    cfg = GPTConfig(**json.loads(args.cfg))
+    per = args.global_batch // world
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    step, notes = build(args.system, model, args.global_batch, args.nvme)
+    setup_s = time.perf_counter() - t0
+    if rank == 0:
+        print(f"{args.system}: {n_params:,} params, set up in {setup_s:.1f} s", file=sys.stderr, flush=True)
+    times: List[float] = []
+    losses: List[float] = []
+    for i in range(1 + args.warmup + args.steps):
+        x, y = make_batch(cfg, args.global_batch, seed=i)
+        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        if world > 1:
+            dist.barrier()
+        t = time.perf_counter()
+        loss = step(x, y)
+        losses.append(float(loss.detach()))  # on CPU the step is done when it returns
+        times.append(time.perf_counter() - t)
+        if rank == 0:  # progress for the row's log (a timed-out row shows how far it got)
+            print(f"step {i}: {times[-1]:.3f} s, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
+    hwm = _status_kib("VmHWM")
+    if world > 1:
+        gathered: List[Any] = [None] * world
+        dist.all_gather_object(gathered, (times, losses, hwm, setup_s))
+    else:
+        gathered = [(times, losses, hwm, setup_s)]
+    if rank == 0:
+        steps = [max(g[0][i] for g in gathered) for i in range(len(times))]
+        mean_losses = [sum(g[1][i] for g in gathered) / world for i in range(len(times))]
+        result = {
+            "system": args.system, "dp": world, "threads": torch.get_num_threads(), "params": n_params,
+            "setup_s": max(g[3] for g in gathered), "first_step_s": steps[0],
+            "warmup_s": steps[1:1 + args.warmup], "step_s": steps[1 + args.warmup:],
+            "losses": mean_losses, "rss_hwm_kib": [g[2] for g in gathered], "notes": notes,
+            "torch": torch.__version__,
+        }
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--system", required=True)
+    ap.add_argument("--cfg", required=True, help="GPTConfig fields as JSON")
+    ap.add_argument("--global-batch", type=int, required=True)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--nvme", default="", help="an existing folder for NVMe offload (its own per row)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    try:
+        run(args)
+    except BaseException as e:  # the row's "why": the error's first line, and the traceback for the log
+        rank, _ = _rank_world()
+        first = (str(e).strip().splitlines() or [""])[0]
+        with open(f"{args.out}.rank{rank}.err", "w") as f:
+            f.write(f"{type(e).__name__}: {first}\n")
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)  # do not wait in a collective for a peer that will never come
+
+
+if __name__ == "__main__":
+    main()
