@@ -289,6 +289,10 @@ def report(args: argparse.Namespace, runs: Dict[int, Dict[str, Any]], meta: Dict
               "parameter reads it whole from its own slow memory, then dist.broadcast",
               "- dp = 2 is two processes on ONE machine (gloo): both ranks share one disk and one memory bus, so "
               "bandwidth-centric reading cannot add link bandwidth here as it does with one NVMe/PCIe link per GPU",
+              "- at dp = 1 both schemes read the same bytes the same way and run no collective: their difference "
+              "there is zinf's per-parameter bookkeeping (accounting, gathered-buffer tracking, pooled host "
+              "buffers) against the emulation's bare copies, plus noise; it is the harness's baseline, not a "
+              "partitioning effect",
               f"- load average at end {meta['load_end']}"]
     meta["ratios"] = ratios
     return "\n".join(lines) + "\n"

@@ -526,6 +526,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 spec = dict(results[src]["nvme"], source=f"the {src} row's per-step NVMe bytes")
                 extra = ["--transfer-spec", json.dumps(spec)]
             results[row] = spawn(args, row, extra, tmp)
+            if args.out:  # partial results survive a later row's failure or a kill
+                save(args, meta, results, partial=row != rows[-1])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if args.trace:
@@ -536,13 +538,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     text = report(args, results, summary, meta)
     print("\n" + text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
-            json.dump({"args": vars(args), "meta": meta, "model": model_dims(args), "summary": summary,
-                       "results": results}, f, indent=1)
-        with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
-            f.write(text)
+        save(args, meta, results, partial=False, text=text)
     return 0
+
+
+def save(args: argparse.Namespace, meta: Dict[str, Any], results: Dict[str, Dict[str, Any]], partial: bool,
+         text: Optional[str] = None) -> None:
+    """NAME.json (and NAME.md) under ``--out``; ``partial``: written after a row, more rows to come."""
+    os.makedirs(args.out, exist_ok=True)
+    if args.trace:
+        meta["trace_exists"] = os.path.exists(args.trace)
+        meta["trace_bytes"] = os.path.getsize(args.trace) if meta["trace_exists"] else 0
+    summary = summarize(results)
+    if text is None:
+        text = report(args, results, summary, meta)
+    if partial:
+        text = "**PARTIAL: not every row has run yet**\n\n" + text
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
+        json.dump({"args": vars(args), "meta": meta, "model": model_dims(args), "summary": summary,
+                   "results": results, "partial": partial}, f, indent=1)
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
+        f.write(text)
 
 
 if __name__ == "__main__":
