@@ -152,12 +152,14 @@ def run_model_row(args: argparse.Namespace) -> Dict[str, Any]:
         hwm_reset = reset_hwm()
         io0 = engine_totals(model)
         times: List[float] = []
+        cpu_times: List[float] = []  # CPU seconds of this process's threads: less sensitive to other load
         busy0, own0, wall0 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
         load0 = os.getloadavg()[0]
         for i in range(args.warmup + 1, args.warmup + 1 + args.steps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             losses.append(step(i))
             times.append(time.perf_counter() - t0)
+            cpu_times.append(time.process_time() - c0)
         wall = time.perf_counter() - wall0
         foreign = max(0.0, (busy_cpu_s() - busy0) - (own_cpu_s() - own0)) / (wall * (os.cpu_count() or 1))
         io1 = engine_totals(model)
@@ -167,7 +169,8 @@ def run_model_row(args: argparse.Namespace) -> Dict[str, Any]:
         res: Dict[str, Any] = {
             "row": args.row, "params": n_params, "options": {k: v for k, v in opts.items() if k != "nvme_path"},
             "first_step_s": first, "median_step_s": statistics.median(times), "min_step_s": min(times),
-            "step_times_s": times, "losses": losses, "warmup": args.warmup, "steps": args.steps,
+            "step_times_s": times, "median_step_cpu_s": statistics.median(cpu_times), "step_cpu_s": cpu_times,
+            "losses": losses, "warmup": args.warmup, "steps": args.steps,
             "foreign_cpu_first": foreign_first, "foreign_cpu": foreign, "load1_start": load0,
             "load1_end": os.getloadavg()[0], "threads": torch.get_num_threads(), "torch": torch.__version__,
             "peak_rss_mib": max(peak_first, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
@@ -376,9 +379,9 @@ def report(args: argparse.Namespace, results: Dict[str, Dict[str, Any]], summary
              f"timing: first step (compile included), then {args.warmup} warm-up step(s), then the median of "
              f"{args.steps} steps; each row a fresh process with an empty Inductor cache  ",
              f"machine: {os.cpu_count()} cores, load average at start {meta['load_start']}  ", "",
-             "| row | options | median step s | min s | first step s | peak RSS MiB | NVMe read/step | "
+             "| row | options | median step s | min s | CPU s/step | first step s | peak RSS MiB | NVMe read/step | "
              "NVMe written/step | other procs' CPU | load1 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in ROWS:
         r = results.get(row)
         if r is None:
@@ -395,7 +398,8 @@ def report(args: argparse.Namespace, results: Dict[str, Dict[str, Any]], summary
             rd = r.get("nvme", {}).get("bytes_read_per_step")
             wr = r.get("nvme", {}).get("bytes_written_per_step")
         mib = lambda b: "-" if b is None else f"{b / 2**20:.0f} MiB"  # noqa: E731
-        lines.append(f"| {row} | {opt} | {r['median_step_s']:.3f} | {r['min_step_s']:.3f} | "
+        cpu = fmt(r.get("median_step_cpu_s"), ".2f")
+        lines.append(f"| {row} | {opt} | {r['median_step_s']:.3f} | {r['min_step_s']:.3f} | {cpu} | "
                      f"{r['first_step_s']:.2f} | {r['peak_rss_mib']:.0f} | {mib(rd)} | {mib(wr)} | "
                      f"{r['foreign_cpu']:.0%} | {r['load1_start']:.1f} |")
     s = summary
@@ -443,7 +447,9 @@ def report(args: argparse.Namespace, results: Dict[str, Dict[str, Any]], summary
     if busy:
         lines.append(f"- WARNING: other processes used >10% of the cores during {busy}: those wall times are "
                      "inflated and noisy")
-    lines += ["- other procs' CPU: share of all cores used by other processes during the timed steps "
+    lines += ["- CPU s/step: median CPU time of the row's process per timed step, all its threads (wall time "
+              "minus waiting, plus parallel threads; less sensitive to other load than wall time)",
+              "- other procs' CPU: share of all cores used by other processes during the timed steps "
               "(/proc/stat minus this row's process tree); load1: 1-minute load average at the row's start"]
     return "\n".join(lines) + "\n"
 
