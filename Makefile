@@ -13,7 +13,7 @@ setup: $(VENV)/.zinf-setup
 # transformers/accelerate: the Hugging Face Trainer test.
 $(VENV)/.zinf-setup: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q torch==2.13.0 triton==3.9.0 numpy pytest matplotlib transformers==5.24.0 accelerate==1.15.0 tqdm
+	$(BIN)/pip install -q torch==2.13.0 triton==3.9.0 numpy pytest matplotlib transformers==5.24.0 accelerate==1.15.0 tqdm safetensors==0.8.0
 	$(BIN)/pip install -q --no-deps -e .
 	touch $@
 

@@ -24,21 +24,39 @@ must come from the compute path, never be the memory of a store slot (``tiers.Sl
 tensors with :func:`tag_slot`): a collective on a slot's pinned host memory races with the CPU
 optimizer and, on NCCL, is refused anyway. The slot check runs even at dp = 1, where the
 collectives themselves are skipped, so single-process tests exercise it.
+
+**Failures** (an error on one rank stops every rank with that error, never a hang). A rank whose
+compiled call (or zinf collective) fails posts ``rank R failed in <op>: <error>`` to the default
+process group's c10d store (:func:`post_failure`). Every zinf collective on CPU tensors (gloo) is
+issued with ``async_op=True`` and waited for in slices of ``ZINF_FAILURE_POLL_S`` (0.5 s): a
+collective that completes within the first slice costs one ``wait`` as before; one that does not
+reads the store between slices and raises :class:`RankFailedError` naming the failed rank and its
+operation, or :class:`CollectiveTimeoutError` after ``ZINF_COLLECTIVE_TIMEOUT_S`` (300 s)::
+
+    rank 1: forward raises IndexError -> post "rank 1 failed in forward of graph 'G' ..." -> re-raise
+    rank 0: all_gather waits 0.5 s, reads the store -> RankFailedError("... rank 1 failed in forward ...")
+
+CUDA tensors (NCCL) keep torch's own semantics (``wait()`` only orders the current stream, the CPU
+never blocks on a hot-path collective); there the rendezvous before each compiled call polls
+``work.is_completed()`` and the store, so a peer's failure surfaces at the next compiled call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-from datetime import timedelta
 import threading
+import time
 import weakref
-from typing import Callable, Dict, Iterator, Optional, Tuple
+from datetime import timedelta
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 ProcessGroup = Optional["dist.ProcessGroup"]
+log = logging.getLogger("zinf_runtime")
 
 
 def _initialized() -> bool:
@@ -174,26 +192,25 @@ def _check(op: str, t: torch.Tensor, group: ProcessGroup, *, device: str) -> Non
 
 
 # -- hot-path collectives: tensors already on the group's device ------------------------------------
-def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: ProcessGroup) -> None:
-    """``out`` (world × shard elements) receives every rank's ``shard`` in rank order."""
+def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool = False) -> Any:
+    """``out`` (world × shard elements) receives every rank's ``shard`` in rank order.
+
+    ``async_op``: returns the work handle; ``out`` is valid, and ``shard`` may be reused, only
+    after its ``wait()`` (which, on CUDA, orders the current stream after the collective)."""
     _check("all_gather", shard, group, device="always")
     _check("all_gather (output)", out, group, device="always")
-    fn = getattr(dist, "all_gather_single", None)
-    if fn is not None:
-        fn(out, shard, group=group)
-    else:
-        dist.all_gather_into_tensor(out, shard, group=group)
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return _run("all_gather", shard, group, lambda a: fn(out, shard, group=group, async_op=a), async_op)
 
 
-def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: ProcessGroup) -> None:
-    """``out`` receives the sum over ranks of this rank's slice of ``full``."""
+def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: ProcessGroup, async_op: bool = False) -> Any:
+    """``out`` receives the sum over ranks of this rank's slice of ``full`` (``async_op``: as for
+    ``all_gather_flat``)."""
     _check("reduce_scatter", full, group, device="always")
     _check("reduce_scatter (output)", out, group, device="always")
-    fn = getattr(dist, "reduce_scatter_single", None)
-    if fn is not None:
-        fn(out, full, op=dist.ReduceOp.SUM, group=group)
-    else:
-        dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group)
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return _run("reduce_scatter", full, group,
+                lambda a: fn(out, full, op=dist.ReduceOp.SUM, group=group, async_op=a), async_op)
 
 
 # -- movers: tensors that live off the group's device by design -------------------------------------
@@ -220,7 +237,8 @@ def _unstage(t: torch.Tensor, staged: torch.Tensor) -> None:
 
 def broadcast(t: torch.Tensor, group: ProcessGroup) -> None:
     """``t`` (in place) takes the value of the group's rank 0; staged through the group's device."""
-    _staged_inplace("broadcast", t, group, lambda x: dist.broadcast(x, src=group_src_rank(group), group=group))
+    _staged_inplace("broadcast", t, group, lambda x: _run(
+        "broadcast", x, group, lambda a: dist.broadcast(x, src=group_src_rank(group), group=group, async_op=a)))
 
 
 def all_reduce_sum(t: torch.Tensor, group: ProcessGroup) -> None:
@@ -231,7 +249,8 @@ def all_reduce_sum(t: torch.Tensor, group: ProcessGroup) -> None:
     if not _initialized():
         _check("all_reduce", t, group, device="never")
         return
-    _staged_inplace("all_reduce", t, group, lambda x: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group))
+    _staged_inplace("all_reduce", t, group, lambda x: _run(
+        "all_reduce", x, group, lambda a: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group, async_op=a)))
 
 
 def all_gather_to(t: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -252,42 +271,266 @@ def all_reduce_max(t: torch.Tensor, group: ProcessGroup) -> None:
     if not _initialized():
         _check("all_reduce", t, group, device="never")
         return
-    _staged_inplace("all_reduce", t, group, lambda x: dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group))
+    _staged_inplace("all_reduce", t, group, lambda x: _run(
+        "all_reduce", x, group, lambda a: dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group, async_op=a)))
 
 
 def collective_timeout_s() -> float:
-    """How long a zinf rendezvous waits for the other ranks (``ZINF_COLLECTIVE_TIMEOUT_S``, 300 s):
-    a rank that runs a compiled graph alone (evaluation on rank 0 only) gets an error, not a hang."""
+    """How long a zinf collective or rendezvous waits for the other ranks (``ZINF_COLLECTIVE_TIMEOUT_S``,
+    300 s): a rank that runs a compiled graph alone (evaluation on rank 0 only) gets an error, not a hang."""
     return float(os.environ.get("ZINF_COLLECTIVE_TIMEOUT_S", "300"))
 
 
-def rendezvous(fingerprint: int, what: str, group: ProcessGroup) -> None:
+def failure_poll_s() -> float:
+    """Seconds a waiting collective runs between reads of the failure key (``ZINF_FAILURE_POLL_S``, 0.5)."""
+    return max(0.01, float(os.environ.get("ZINF_FAILURE_POLL_S", "0.5")))
+
+
+# -- failures: one rank's error stops every rank -----------------------------------------------------
+class RankFailedError(RuntimeError):
+    """Another rank of the job failed (its message is in ``failure``); raised on the ranks waiting for it."""
+
+    def __init__(self, message: str, failure: str):
+        super().__init__(message)
+        self.failure = failure
+
+
+class GraphMismatchError(RuntimeError):
+    """The ranks are about to run different compiled graphs; every rank raises it (nothing to post)."""
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A zinf collective waited ``ZINF_COLLECTIVE_TIMEOUT_S`` for its peers, and no rank posted a failure."""
+
+
+# Where failures are posted: a callable returning the default process group's c10d store (or None).
+# zinf_compile installs it (the accessor is private torch API, kept in zinf_compile/_torch_compat.py).
+_store_provider: Optional[Callable[[], Any]] = None
+
+
+def set_store_provider(fn: Optional[Callable[[], Any]]) -> None:
+    global _store_provider
+    _store_provider = fn
+
+
+def _failure_store() -> Any:
+    if _store_provider is None or not _initialized():
+        return None
+    try:
+        return _store_provider()
+    except Exception:  # noqa: BLE001 - no store: failures still end in the collective timeout
+        return None
+
+
+def _failure_key() -> str:
+    # an elastic restart reuses the agent's store: a failure of the previous attempt must not stop this one
+    return f"zinf/failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _describe(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else ""
+    return f"{type(exc).__name__}: {text[:500]}"
+
+
+def post_failure(op: str, exc: BaseException) -> Optional[str]:
+    """Tell every rank that this one failed in ``op`` (the first failure posted wins); returns the text.
+
+    A :class:`RankFailedError` is a consequence of another rank's failure and is not posted again; a
+    :class:`GraphMismatchError` is raised by every rank at once, leaving the process group usable.
+    """
+    if isinstance(exc, (RankFailedError, GraphMismatchError)) or not _initialized() or dist.get_world_size() == 1:
+        return None
+    store = _failure_store()
+    if store is None:
+        return None
+    text = f"rank {dist.get_rank()} failed in {op}: {_describe(exc)}"
+    try:
+        store.compare_set(_failure_key(), "", text)  # sets only if no failure was posted yet
+    except Exception as e:  # noqa: BLE001 - posting must never hide the rank's own error
+        log.warning("zinf: could not post rank failure to the store: %s", e)
+        return None
+    return text
+
+
+def posted_failure() -> Optional[str]:
+    """The failure some rank posted, or None."""
+    store = _failure_store()
+    if store is None:
+        return None
+    try:
+        key = _failure_key()
+        if not store.check([key]):
+            return None
+        return store.get(key).decode(errors="replace")
+    except Exception:  # noqa: BLE001 - the store itself is gone (rank 0 died): the collective will say so
+        return None
+
+
+@contextlib.contextmanager
+def reporting(op: str) -> Iterator[None]:
+    """Post any exception raised inside the block as this rank's failure in ``op``, then re-raise it."""
+    try:
+        yield
+    except BaseException as exc:
+        post_failure(op, exc)
+        raise
+
+
+def _peer_failed(op: str, group: ProcessGroup, failure: str) -> RankFailedError:
+    return RankFailedError(
+        f"zinf: rank {rank(group)} stopped in {op} because {failure}. Every rank stops with this error "
+        "instead of waiting for the failed one; fix the failed rank's error (its own traceback has it) "
+        "and restart from the last checkpoint.", failure)
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def wait(work: Any, op: str, group: ProcessGroup, *, what: Optional[str] = None) -> None:
+    """Wait for ``work`` (an ``async_op=True`` collective on CPU tensors) without hanging on a failed peer.
+
+    Waits in slices of :func:`failure_poll_s`; between slices it reads the failure key (a store round
+    trip, only for collectives still pending after the first slice). Raises :class:`RankFailedError`
+    when a rank posted a failure, :class:`CollectiveTimeoutError` after :func:`collective_timeout_s`,
+    and re-raises the backend's own error (a peer's closed connection) as RankFailedError when the
+    peer posted its failure before it went.
+    """
+    timeout, poll = collective_timeout_s(), failure_poll_s()
+    t0 = time.monotonic()
+    while True:
+        try:
+            work.wait(timeout=timedelta(seconds=min(poll, max(timeout, 0.01))))
+            return
+        except RuntimeError as exc:
+            # our slice ran out (the work is still pending), or the work itself failed (gloo's own
+            # timeout, a peer's closed connection): then it is complete and re-raises at every wait
+            if work.is_completed() or not _is_timeout(exc):
+                failure = posted_failure()
+                if failure is not None:
+                    raise _peer_failed(op, group, failure) from exc
+                raise
+        failure = posted_failure()
+        if failure is not None:
+            raise _peer_failed(op, group, failure)
+        waited = time.monotonic() - t0
+        if waited >= timeout:
+            raise CollectiveTimeoutError(
+                f"zinf: rank {rank(group)} waited {waited:.0f} s in {what or op} for the other ranks of its dp "
+                "group; they did not arrive and none reported a failure. With dp > 1 every rank must call the "
+                "compiled model the same way (training and evaluation alike: evaluate on every rank, each on "
+                "its share of the data), or evaluate an eager copy built from zinf_compile.full_state_dict(model) "
+                "on one rank. (ZINF_COLLECTIVE_TIMEOUT_S sets the wait.)")
+
+
+def _wait_polling_completion(work: Any, op: str, group: ProcessGroup, what: str) -> None:
+    """For collectives whose ``wait()`` does not block the CPU (NCCL): poll completion and the store,
+    sleeping between polls (from 50 us up to 20 ms), never spinning."""
+    timeout, poll = collective_timeout_s(), failure_poll_s()
+    t0 = last = time.monotonic()
+    nap = 5e-5
+    while not work.is_completed():
+        time.sleep(nap)
+        nap = min(nap * 2, 0.02)
+        now = time.monotonic()
+        if now - last >= poll:
+            last = now
+            failure = posted_failure()
+            if failure is not None:
+                raise _peer_failed(op, group, failure)
+        if now - t0 >= timeout:
+            raise CollectiveTimeoutError(
+                f"zinf: rank {rank(group)} waited {now - t0:.0f} s for the other ranks of its dp group to run "
+                f"{what}; they did not. With dp > 1 every rank must call the compiled model the same way. "
+                "(ZINF_COLLECTIVE_TIMEOUT_S sets the wait.)")
+    work.wait()
+
+
+def _sliced_wait(t: torch.Tensor, group: ProcessGroup) -> bool:
+    """Whether waits on ``t``'s collective can be cut into slices: gloo's ``wait(timeout)`` leaves the work
+    running; NCCL's does not block the CPU at all, MPI's refuses a timeout."""
+    return t.device.type == "cpu" and "gloo" in str(dist.get_backend(group)).lower()
+
+
+class Pending:
+    """An ``async_op=True`` hot-path collective on gloo; ``wait()`` waits as :func:`wait` does
+    (watching for a failed peer) and posts this rank's failure if it fails."""
+
+    __slots__ = ("work", "op", "group")
+
+    def __init__(self, work: Any, op: str, group: ProcessGroup) -> None:
+        self.work, self.op, self.group = work, op, group
+
+    def wait(self) -> None:
+        try:
+            wait(self.work, self.op, self.group)
+        except BaseException as exc:
+            post_failure(self.op, exc)
+            raise
+
+
+def _run(op: str, t: torch.Tensor, group: ProcessGroup, issue: Callable[[bool], Any],
+         async_op: bool = False) -> Any:
+    """Issue a collective (``issue(async_op)``) and wait for it: on gloo through :func:`wait`, watching
+    for a failed peer; elsewhere (NCCL) exactly as torch's synchronous call does. ``async_op``:
+    return a handle to wait on instead (NCCL's work: its ``wait()`` orders the current stream)."""
+    if not _sliced_wait(t, group):
+        return issue(async_op)  # NCCL: the current stream waits, the CPU does not block
+    try:  # (not `with reporting(op)`: a plain try costs nothing on the hot path)
+        work = issue(True)
+        if async_op:
+            return Pending(work, op, group)
+        wait(work, op, group)
+    except BaseException as exc:
+        post_failure(op, exc)
+        raise
+    return None
+
+
+def rendezvous(fingerprint: int, what: str, group: ProcessGroup,
+               describe: Optional[Callable[[], Any]] = None) -> None:
     """Check that every rank of ``group`` is about to run the same compiled graph the same way.
 
     One all-reduce of two int64s (max of ``fp`` and of ``-fp``) before a graph's first collective:
-    ranks that disagree all raise, naming the graph; a rank whose peers never arrive raises after
-    ``collective_timeout_s()``. Without it, one rank evaluating alone blocks forever in its first
-    all-gather, or exchanges shards with a peer that is in another graph.
+    ranks that disagree all raise, naming the graph (and, with ``describe``, the first difference
+    between what each rank would run: every rank sees the mismatch, so all join that exchange); a
+    rank whose peers never arrive raises after ``collective_timeout_s()``, or at once with a
+    :class:`RankFailedError` when a peer posted its failure. Without it, one rank evaluating alone
+    blocks forever in its first all-gather, or exchanges shards with a peer that is in another graph.
     """
     if world_size(group) == 1:
         return
     t = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=group_device(group))
-    timeout = collective_timeout_s()
     work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    try:
-        ok = work.wait(timeout=timedelta(seconds=timeout))
-    except RuntimeError as exc:
-        raise RuntimeError(
-            f"zinf: rank {rank(group)} waited {timeout:.0f} s for the other ranks of its dp group to run "
-            f"{what}; they did not. With dp > 1 every rank must call the compiled model the same way "
-            "(training and evaluation alike: evaluate on every rank, each on its share of the data), or "
-            "evaluate an eager copy built from zinf_compile.full_state_dict(model) on one rank. "
-            "(ZINF_COLLECTIVE_TIMEOUT_S sets the wait.)") from exc
-    if ok is False:
-        raise RuntimeError(f"zinf: rank {rank(group)}: rendezvous for {what} timed out after {timeout:.0f} s")
+    op = f"the rendezvous before {what}"
+    if _sliced_wait(t, group):
+        wait(work, op, group, what=what)
+    else:
+        _wait_polling_completion(work, op, group, what)
     if int(t[0]) != fingerprint or -int(t[1]) != fingerprint:
-        raise RuntimeError(
+        detail = ""
+        if describe is not None:
+            detail = " " + _first_difference(describe(), group)
+        raise GraphMismatchError(
             f"zinf: the ranks of the dp group are running different compiled graphs (rank {rank(group)}: "
-            f"{what}). With dp > 1 every rank must call the compiled model the same way, in the same "
-            "order and grad mode: evaluate on every rank, or evaluate an eager copy built from "
-            "zinf_compile.full_state_dict(model) on one rank.")
+            f"{what}).{detail} With dp > 1 every rank must call the compiled model the same way, in the same "
+            "order and grad mode, with the same model: evaluate on every rank, or evaluate an eager copy built "
+            "from zinf_compile.full_state_dict(model) on one rank.")
+
+
+def _first_difference(mine: Any, group: ProcessGroup) -> str:
+    """Every rank's ``mine`` (a list), gathered; the first entry where some rank differs from rank 0."""
+    every: list = [None] * world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    ref = every[0]
+    for r, other in enumerate(every[1:], start=1):
+        if other == ref:
+            continue
+        for i in range(max(len(ref), len(other))):
+            a = ref[i] if i < len(ref) else "<nothing>"
+            b = other[i] if i < len(other) else "<nothing>"
+            if a != b:
+                return f"First difference, at entry {i}: rank 0 has {a}, rank {r} has {b}."
+    return "(their descriptions agree; the grad mode or graph name differs)"

@@ -42,6 +42,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from . import accounting, tiers
+from .transfer import TransferEngine
 from .swap import SwapConfig, SwapEngine
 
 _ids = itertools.count()
@@ -69,6 +70,7 @@ class RuntimeContext:
         self._engines: Dict[Tuple[SwapConfig, int], SwapEngine] = {}
         self._lock = threading.Lock()
         self._keys: List[Any] = []  # compile keys resolved to this context, kept so their ids stay unique
+        self.transfers = TransferEngine(f"ctx{self.id}")  # this model's pending transfers and lanes
         self._finalizer = weakref.finalize(self, _close_engines, self._engines)
 
     @property
@@ -100,6 +102,7 @@ class RuntimeContext:
     def close(self) -> None:
         """Close the swap engines (their folders are removed) and drop pooled buffers. Slots of this
         context must not be used afterwards."""
+        self.transfers.close()
         self._finalizer()
         self.pool.clear()
 

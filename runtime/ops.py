@@ -18,6 +18,18 @@ and in backward, the gradient ``g`` of ``p``::
 ``grad_of(g, p, uid)`` only marks, in the joint graph, which output is the gradient of ``p``: it makes
 the partitioner keep ``p`` (0 bytes) for the backward, and becomes ``reduce_grad`` there.
 
+Scheduled graphs split each transfer into a start returning a ticket and a wait before first use
+(``zinf_runtime.transfer`` has the picture)::
+
+    t = zinf.load(p, uid)                               # NVMe -> host (NVMe tier only)
+    t = zinf.upload(p, uid, n, dtype, t)                # host -> device
+    shard = zinf.wait_upload(t, p, uid, n, dtype)
+    t = zinf.gather(shard, uid, shape); full = zinf.wait_gather(t, shard, uid, shape)  # dp > 1
+    t = zinf.reduce(g, p, uid); t = zinf.wait_reduce(t, g, p, uid); zinf.wait_offload(t, g, uid)
+
+A wait takes the tensors its transfer reads (``shard``, ``g``) as arguments: that keeps them live in
+the graph until the transfer is done, so no compiler reuses their memory for a later result.
+
 ``release`` and ``reduce_grad`` declare a write to their tensor argument: it is true (the storage
 is freed or consumed) and it is what keeps DCE and Inductor from dropping or reordering them
 before the last reader. ``after`` lists the outputs of every reader of ``full``: a data dependency,
@@ -31,7 +43,7 @@ from typing import Sequence
 
 import torch
 
-from . import store
+from . import store, transfer
 
 _lib = torch.library.Library("zinf", "DEF")
 _lib.define("fetch_shard(Tensor param, int uid, int shard_numel, ScalarType dtype) -> Tensor")
@@ -39,6 +51,14 @@ _lib.define("all_gather(Tensor shard, int uid, SymInt[] shape) -> Tensor")
 _lib.define("release(Tensor(a!) full, int uid, Tensor[] after) -> ()")
 _lib.define("reduce_grad(Tensor(a!) grad, Tensor param, int uid) -> ()")
 _lib.define("grad_of(Tensor grad, Tensor param, int uid) -> Tensor")
+_lib.define("load(Tensor param, int uid) -> Tensor")
+_lib.define("upload(Tensor param, int uid, int shard_numel, ScalarType dtype, Tensor? loaded) -> Tensor")
+_lib.define("wait_upload(Tensor ticket, Tensor param, int uid, int shard_numel, ScalarType dtype) -> Tensor")
+_lib.define("gather(Tensor shard, int uid, SymInt[] shape) -> Tensor")
+_lib.define("wait_gather(Tensor ticket, Tensor shard, int uid, SymInt[] shape) -> Tensor")
+_lib.define("reduce(Tensor grad, Tensor param, int uid) -> Tensor")
+_lib.define("wait_reduce(Tensor ticket, Tensor grad, Tensor param, int uid) -> Tensor")
+_lib.define("wait_offload(Tensor(a!) ticket, Tensor grad, int uid) -> ()")
 
 
 def _fetch_shard(param: torch.Tensor, uid: int, shard_numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -65,6 +85,14 @@ def _grad_of(grad: torch.Tensor, param: torch.Tensor, uid: int) -> torch.Tensor:
 
 
 for _name, _fn in (
+    ("load", transfer.op_load),
+    ("upload", transfer.op_upload),
+    ("wait_upload", transfer.op_wait_upload),
+    ("gather", transfer.op_gather),
+    ("wait_gather", transfer.op_wait_gather),
+    ("reduce", transfer.op_reduce),
+    ("wait_reduce", transfer.op_wait_reduce),
+    ("wait_offload", transfer.op_wait_offload),
     ("fetch_shard", _fetch_shard),
     ("all_gather", _all_gather),
     ("release", _release),
@@ -97,3 +125,27 @@ def _reduce_grad_fake(grad: torch.Tensor, param: torch.Tensor, uid: int) -> None
 @torch.library.register_fake("zinf::grad_of")
 def _grad_of_fake(grad: torch.Tensor, param: torch.Tensor, uid: int) -> torch.Tensor:
     return torch.empty_like(grad)
+
+
+def _ticket_fake(*args: object) -> torch.Tensor:
+    return torch.empty((1,), dtype=torch.int64, device="cpu")
+
+
+for _name in ("load", "upload", "gather", "reduce", "wait_reduce"):
+    torch.library.register_fake(f"zinf::{_name}")(_ticket_fake)
+
+
+@torch.library.register_fake("zinf::wait_upload")
+def _wait_upload_fake(ticket: torch.Tensor, param: torch.Tensor, uid: int, shard_numel: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    return param.new_empty((shard_numel,), dtype=dtype)
+
+
+@torch.library.register_fake("zinf::wait_gather")
+def _wait_gather_fake(ticket: torch.Tensor, shard: torch.Tensor, uid: int, shape: Sequence[int]) -> torch.Tensor:
+    return shard.new_empty(tuple(shape))
+
+
+@torch.library.register_fake("zinf::wait_offload")
+def _wait_offload_fake(ticket: torch.Tensor, grad: torch.Tensor, uid: int) -> None:
+    return None

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from . import accounting, comm, store
+from . import accounting, comm, store, transfer
 from .tiers import Slot
 
 
@@ -75,6 +76,7 @@ class ShardedOptimizerMixin:
         stale = self.__dict__.pop("_zinf_plan", None)  # a step through the plain class that raised
         if stale is not None:
             self._swap_out(stale)
+        t0 = time.perf_counter()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -85,6 +87,7 @@ class ShardedOptimizerMixin:
         finally:
             self._swap_out(plan)
         self._finish(plan)
+        transfer.optimizer_step_done(self, t0)
         return loss
 
     def _patch_step_function(self) -> None:

@@ -19,13 +19,14 @@ a norm, an orthogonalized matrix, a factored moment) or that refuses 1-D tensors
 from __future__ import annotations
 
 import copy
+import time
 import weakref
 from collections import defaultdict
 from typing import Any, Dict, Optional
 
 import torch
 
-from . import store
+from . import store, transfer
 from .optim import SGD, Adam, AdamW, ShardedOptimizerMixin, _average_replicated
 
 _TWINS: Dict[type, type] = {torch.optim.AdamW: AdamW, torch.optim.Adam: Adam, torch.optim.SGD: SGD}
@@ -153,6 +154,7 @@ def pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Opt
         with torch.enable_grad():
             closure()
         result = (args[:1], {k: v for k, v in kwargs.items() if k != "closure"})
+    optimizer._zinf_t0 = time.perf_counter()  # type: ignore[attr-defined]
     optimizer._zinf_plan = optimizer._swap_in()  # type: ignore[attr-defined]
     optimizer._zinf_plan_depth = 0  # type: ignore[attr-defined]
     return result
@@ -167,6 +169,7 @@ def post_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> No
     plan = optimizer.__dict__.pop("_zinf_plan")
     optimizer._swap_out(plan)  # type: ignore[attr-defined]
     optimizer._finish(plan)  # type: ignore[attr-defined]
+    transfer.optimizer_step_done(optimizer, optimizer.__dict__.pop("_zinf_t0", time.perf_counter()))
 
 
 def sharded(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

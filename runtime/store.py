@@ -18,14 +18,14 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import accounting, comm, hostsync, tiers, triton_copy
 from .context import DEFAULT, RuntimeContext, resolve_context
 from .grads import ShardedGrad
-from .swap import SwapConfig
+from .swap import SwapConfig, SwapHandle
 
 UID_ATTR = "_zinf_uid"
 _uids = itertools.count(1)
@@ -150,6 +150,9 @@ class ParamHandle:
             return self.tiles
         if self.grad_slot.present:
             raise RuntimeError(f"zinf: cannot tile {self.name} while it holds an accumulated gradient")
+        if self.optim_slots or self.optim_small:  # re-tiling would drop the NVMe moments silently
+            raise RuntimeError(f"zinf: cannot tile {self.name}: it already holds optimizer state (stepped, or "
+                               "loaded from a checkpoint before its first call); load after the first call")
         full = self._full_flat().view(self.shape)
         tiles = []
         for i, (lo, hi) in enumerate(bounds):
@@ -227,27 +230,52 @@ class ParamHandle:
             self._compute.clear()
 
     def fetch_shard(self, dtype: torch.dtype) -> torch.Tensor:
-        """A private copy of this rank's shard on the compute device (never the master itself).
+        """A private copy of this rank's shard on the compute device (never the master itself):
+        ``load_host`` then ``upload``, waiting for each (the serial path; graphs split it into
+        start/wait ops, ``zinf_runtime.transfer``)."""
+        host, read = self.load_host()
+        if read is not None:
+            read.wait()
+        return self.upload(dtype, host)
+
+    def load_host(self) -> Tuple[Optional[torch.Tensor], Optional[SwapHandle]]:
+        """NVMe tier: start reading this rank's shard into a pooled host buffer; returns the buffer
+        and the read's handle (wait before ``upload``). Memory tiers: ``(None, None)``."""
+        slot = self.param_copy or self._whole()
+        if slot.tier != "nvme":
+            return None, None
+        host = self.context.pool.acquire(slot.numel, slot.dtype, slot.pin)
+        return host, slot.get_async(out=host)[1]
+
+    def new_shard(self, dtype: torch.dtype) -> torch.Tensor:
+        """An empty shard-sized buffer on the compute device, accounted as gathered at dp = 1 (where
+        the shard is the whole parameter, and what ``release`` frees)."""
+        out = torch.empty(self.shard_numel, dtype=dtype, device=self.placement.compute_device)
+        if self.world == 1:
+            _track_gathered(out, self.name, self.context.accounting)
+        return out
+
+    def upload(self, dtype: torch.dtype, host: Optional[torch.Tensor] = None,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Copy this rank's shard to the compute device, casting to ``dtype``: from ``host`` (a
+        pooled buffer ``load_host`` filled; handed back to the pool here) or the memory-tier slot.
 
         From host memory on CUDA, one fused Triton kernel reads the pinned shard and casts it while
         copying (``triton_copy.gather_cast``), instead of a host-side cast plus a copy.
 
         Ordering (CUDA; see ``zinf_runtime.hostsync``): the kernel, or the ``non_blocking`` upload
-        from pinned memory, is still reading the host shard when this returns. The slot's fence
-        records it, so the optimizer's in-place step on the master, a refresh of the parameter copy,
-        or freeing the slot waits for the read first. A pooled NVMe read buffer is waited for before
-        it goes back to the pool, where the next read would overwrite it. ``out`` is only used on
-        the current stream, after the copy, by stream order.
+        from pinned memory, is still reading the host shard when this returns, on the current
+        stream. The slot's fence records it, so the optimizer's in-place step on the master, a
+        refresh of the parameter copy, or freeing the slot waits for the read first. A pooled NVMe
+        read buffer is waited for before it goes back to the pool, where the next read would
+        overwrite it. ``out`` is only used on the current stream, after the copy, by stream order.
         """
         slot = self.param_copy or self._whole()
-        out = torch.empty(self.shard_numel, dtype=dtype, device=self.placement.compute_device)
-        if self.world == 1:  # the shard is the whole parameter: it is what gets released
-            _track_gathered(out, self.name, self.context.accounting)
-        pooled = slot.tier == "nvme"
+        if out is None:
+            out = self.new_shard(dtype)
+        pooled = host is not None
         pool = self.context.pool
-        if pooled:  # read into a reused host buffer, handed back once copied to the device
-            host = pool.acquire(slot.numel, slot.dtype, slot.pin)
-            slot.get_async(out=host)[1].wait()
+        if pooled:
             fence = hostsync.Fence()
         else:
             host = slot.resident_for_device()
@@ -272,9 +300,19 @@ class ParamHandle:
         """The full parameter from every rank's shard; accounted as gathered bytes until released."""
         if self.world == 1:
             return shard.view(self.shape)  # for eager callers; graphs use a view node instead
+        buf, work = self.start_all_gather(shard, async_op=False)
+        return self.gathered_view(buf)
+
+    def start_all_gather(self, shard: torch.Tensor, async_op: bool = True) -> Tuple[torch.Tensor, Any]:
+        """Start gathering every rank's shard into a new (padded) buffer; returns it and the
+        collective's work handle (wait on it before reading the buffer, and keep ``shard`` alive
+        until then: the collective reads it)."""
         buf = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
         _track_gathered(buf, self.name, self.context.accounting)
-        comm.all_gather_flat(buf, shard, self.placement.group)
+        work = comm.all_gather_flat(buf, shard, self.placement.group, async_op=async_op)
+        return buf, work
+
+    def gathered_view(self, buf: torch.Tensor) -> torch.Tensor:
         return buf[: self.numel].view(self.shape)
 
     @staticmethod
@@ -371,15 +409,33 @@ class ParamHandle:
                 self._reduce(grad)
 
     def _reduce(self, grad: torch.Tensor) -> None:
+        self.accumulate_grad(self.finish_reduce(*self.start_reduce(grad, async_op=False)))
+
+    def start_reduce(self, grad: torch.Tensor, async_op: bool = True) -> Tuple[torch.Tensor, Any]:
+        """Start the reduce-scatter of a full gradient: returns the fp32 shard buffer it fills and
+        the work handle (dp = 1: the flat fp32 gradient itself and None). The collective reads a
+        private padded copy, which the caller keeps alive through the returned tuple's work."""
         flat = grad.detach().reshape(-1).to(torch.float32)
         if self.world == 1:
-            shard = flat
-        else:
-            if self.padded_numel != self.numel:
-                flat = torch.nn.functional.pad(flat, (0, self.padded_numel - self.numel))
-            shard = torch.empty(self.shard_numel, dtype=torch.float32, device=flat.device)
-            comm.reduce_scatter_flat(shard, flat.contiguous(), self.placement.group)
-            shard.div_(self.world)
+            return flat, None
+        if self.padded_numel != self.numel:
+            flat = torch.nn.functional.pad(flat, (0, self.padded_numel - self.numel))
+        flat = flat.contiguous()
+        shard = torch.empty(self.shard_numel, dtype=torch.float32, device=flat.device)
+        work = comm.reduce_scatter_flat(shard, flat, self.placement.group, async_op=async_op)
+        return shard, (work, flat)
+
+    def finish_reduce(self, shard: torch.Tensor, pending: Any) -> torch.Tensor:
+        """Wait for ``start_reduce``'s collective; the mean over dp of this rank's gradient shard."""
+        if pending is None:
+            return shard
+        work, _flat = pending
+        if work is not None:
+            work.wait()
+        return shard.div_(self.world)
+
+    def accumulate_grad(self, shard: torch.Tensor) -> None:
+        """Add a reduced fp32 gradient shard into the gradient slot (device -> optimizer tier)."""
         slot = self.grad_slot
         if slot.present and slot.tier == "cpu" and fused_copy_enabled(slot.resident_for_device(), shard):
             # device -> pinned host, accumulating; still running on return: the fence makes every

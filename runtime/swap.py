@@ -41,23 +41,27 @@ import ctypes
 import errno
 import fcntl
 import itertools
+import json
 import mmap
 import os
 import queue
 import resource
 import shutil
+import socket
 import tempfile
 import threading
 import time
 import urllib.parse
 import warnings
 import weakref
+import zlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-__all__ = ["SwapConfig", "SwapEngine", "SwapHandle", "SwapError", "SwapPathError", "SwapSpaceError"]
+__all__ = ["SwapConfig", "SwapEngine", "SwapHandle", "SwapError", "SwapPathError", "SwapSpaceError",
+           "SwapCorruptError"]
 
 ALIGN = 4096
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
@@ -73,6 +77,10 @@ class SwapPathError(SwapError):
 
 class SwapSpaceError(SwapError):
     """The swap filesystem ran out of space (ENOSPC/EFBIG/EDQUOT)."""
+
+
+class SwapCorruptError(SwapError):
+    """A swap file read back differs from what was written: a checksum mismatch or a truncated file."""
 
 
 def _round_up(n: int, a: int = ALIGN) -> int:
@@ -95,6 +103,7 @@ class SwapConfig:
     buffer_count: int = 4  # bounce-buffer pool: buffer_count mmaps ...
     buffer_size: int = 64 << 20  # ... of buffer_size bytes at most
     direct_io: bool = True  # O_DIRECT, falls back to buffered if unsupported
+    checksum: bool = True  # crc32 of every block, kept in memory, verified on read
 
     def __post_init__(self) -> None:
         def bad(field: str, fix: str) -> ValueError:
@@ -122,6 +131,8 @@ class SwapConfig:
                       f"= {self.queue_depth * bs} bytes (one block-sized bounce slot per IO thread)")
         if not isinstance(self.direct_io, bool):
             raise bad("direct_io", "use True or False")
+        if not isinstance(self.checksum, bool):
+            raise bad("checksum", "use True or False")
 
 
 class _BouncePool:
@@ -179,6 +190,7 @@ class SwapHandle:
         self._path = ""
         self._fd = -1
         self._direct = self._opened_direct = False
+        self._crcs: Optional[list[int]] = None  # per block: computed (write) or expected (read)
         self._lock = threading.Lock()
         self._remaining = 0
         self._error: Optional[BaseException] = None
@@ -237,12 +249,71 @@ def _worker(q: "queue.SimpleQueue", pool: _BouncePool, index: int) -> None:
         task(slot)
 
 
-def _sweep_stale(root: str) -> None:
-    """Remove swap dirs of dead runs: their owner's flock on .lock is gone."""
+def _describe_key(key: str) -> str:
+    """``key 'u3.master' (parameter 'fc.weight')`` for the store's ``u<uid>.<kind>`` keys, else the key."""
+    text = f"key {key!r}"
+    head = key.split(".", 1)[0]
+    if head[:1] == "u" and head[1:].isdigit():
+        try:
+            from . import store  # the store imports this module: look the name up lazily, on errors only
+
+            text += f" of parameter {store.get(int(head[1:])).name!r}"
+        except Exception:  # noqa: BLE001 - a name is a courtesy; the key and path are the facts
+            pass
+    return text
+
+
+OWNER_FILE = ".owner"  # JSON: who created the folder (see _owner_record)
+
+
+def _proc_start_time(pid: int) -> Optional[int]:
+    """Start time of ``pid`` in clock ticks since boot (/proc/<pid>/stat field 22), None if no such process.
+
+    With the pid it identifies a process for good: a pid reused by a later process has a later start.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    try:
+        return int(stat[stat.rindex(b")") + 2:].split()[19])  # fields after "(comm)": state is field 3
+    except (ValueError, IndexError):
+        return None
+
+
+def _owner_record() -> dict:
+    return {"created_by": "zinf_runtime.swap", "pid": os.getpid(), "host": socket.gethostname(),
+            "start_time": _proc_start_time(os.getpid()), "created": time.time()}
+
+
+def _owner_alive(owner: dict) -> bool:
+    """Whether the folder's owner may still run: always True for another host (its pids are not ours)."""
+    if owner.get("host") != socket.gethostname():
+        return True
+    pid = owner.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return True  # unreadable marker: leave it
+    start = _proc_start_time(pid)
+    if start is None:
+        return False  # no such process
+    return owner.get("start_time") in (None, start)  # a different start time: the pid was reused
+
+
+def _sweep_stale(root: str) -> list[str]:
+    """Remove the swap folders of dead runs under ``root``; return the folders removed.
+
+    A folder goes only when everything says zinf made it and its owner is gone: its name starts with
+    ``zinf-``, it holds the ``.lock`` file whose flock the owning engine holds for its lifetime (the
+    kernel drops it when the process dies, SIGKILL included) and that flock is free, and its ``.owner``
+    marker (pid + host + process start time) names a process of this host that no longer runs (a
+    folder of another host sharing the disk is left alone). Anything else is never touched.
+    """
+    removed: list[str] = []
     try:
         names = os.listdir(root)
     except OSError:
-        return
+        return removed
     for name in names:
         if not name.startswith("zinf-"):
             continue
@@ -252,12 +323,25 @@ def _sweep_stale(root: str) -> None:
         except OSError:
             continue  # not ours, or still being created
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a live engine holds it
+            try:
+                with open(os.path.join(d, OWNER_FILE)) as f:
+                    owner = json.load(f)
+            except FileNotFoundError:
+                owner = None  # a folder of a zinf version without markers: the free flock decides
+            except (OSError, ValueError):
+                continue  # unreadable marker: not provably ours
+            if owner is not None and (not isinstance(owner, dict) or owner.get("created_by") != "zinf_runtime.swap"
+                                      or _owner_alive(owner)):
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+        finally:
             os.close(fd)
-            continue  # a live engine holds it
-        shutil.rmtree(d, ignore_errors=True)
-        os.close(fd)
+    return removed
 
 
 class SwapEngine:
@@ -277,8 +361,14 @@ class SwapEngine:
             if not os.path.isdir(root):
                 raise FileNotFoundError(errno.ENOENT, "no such directory") if not os.path.exists(root) \
                     else NotADirectoryError(errno.ENOTDIR, "not a directory")
-            _sweep_stale(root)
+            self.swept = _sweep_stale(root)  # folders of dead runs, removed
+            if self.swept:
+                warnings.warn(f"zinf swap: removed {len(self.swept)} swap folder(s) left under {root!r} by "
+                              f"crashed runs: {', '.join(os.path.basename(d) for d in self.swept)}", RuntimeWarning,
+                              stacklevel=2)
             self.dir = tempfile.mkdtemp(prefix=f"zinf-{os.getpid()}-rank{rank}-", dir=root)  # mode 0700
+            with open(os.path.join(self.dir, OWNER_FILE), "w") as f:  # before .lock: a swept folder has one
+                json.dump(_owner_record(), f)
             tmp_lock = os.path.join(self.dir, ".lock.tmp")
             lock_fd = os.open(tmp_lock, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
@@ -293,7 +383,8 @@ class SwapEngine:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._version = itertools.count(1)
-        self._files: dict[str, tuple[int, int, int]] = {}  # key -> (nbytes, file bytes, version)
+        # key -> (nbytes, file bytes, version, crc32 per block or None)
+        self._files: dict[str, tuple[int, int, int, Optional[list[int]]]] = {}
         self._expect: dict[str, tuple[int, int]] = {}  # key -> (nbytes, version) of latest submitted write
         self._tail: dict[str, SwapHandle] = {}  # key -> last request, for per-key ordering
         self._inflight = 0
@@ -472,6 +563,7 @@ class SwapEngine:
                     raise KeyError(f"swap key {h.key!r} has no readable version of {h.nbytes} bytes "
                                    f"(a preceding write failed?)")
                 h._path = self._file(h.key)
+                h._crcs = ent[3]
                 flags = os.O_RDONLY | os.O_CLOEXEC
             h._direct = h._opened_direct = self._direct
             try:
@@ -494,6 +586,8 @@ class SwapEngine:
             return
         bs = self.cfg.block_size
         offsets = range(0, h.nbytes, bs)
+        if h.kind == "write" and self.cfg.checksum:
+            h._crcs = [0] * len(offsets)
         h._remaining = len(offsets)
         if not offsets:
             self._finish(h)
@@ -509,19 +603,27 @@ class SwapEngine:
                 mv, t = slot
                 zc = self._zero_copy(h, off, n)
                 if zc is not None:  # IO straight from/into the tensor, no bounce copy
+                    if h.kind == "write":
+                        self._sum(h, off, zc[:n])
                     self._io(h, self._sys_pwritev if h.kind == "write" else self._sys_preadv, zc, off,
                              need=None if h.kind == "write" else n)
+                    if h.kind == "read":
+                        self._sum(h, off, zc[:n])
                     with self._lock:
                         self._st["zero_copy_bytes"] += n
                 elif h.kind == "write":
                     t[:n].copy_(h._data[off:off + n])
                     if padded > n:
                         t[n:padded].zero_()
+                    self._sum(h, off, mv[:n])
                     self._io(h, self._sys_pwritev, mv[:padded], off)
                 else:
                     self._io(h, self._sys_preadv, mv[:padded], off, need=n)
+                    self._sum(h, off, mv[:n])
                     h._data[off:off + n].copy_(t[:n])
         except BaseException as e:  # noqa: BLE001
+            if h.kind == "read" and not isinstance(e, SwapCorruptError):
+                e = self._truncated(h, e) or e
             with h._lock:
                 if h._error is None:
                     h._error = e
@@ -530,6 +632,43 @@ class SwapEngine:
             last = h._remaining == 0
         if last:
             self._finish(h)
+
+    def _sum(self, h: SwapHandle, off: int, buf: memoryview) -> None:
+        """Record (write) or verify (read) the crc32 of one block's payload bytes.
+
+        crc32 releases the GIL on large buffers, so the IO threads checksum in parallel; a read
+        whose bytes differ from what was written raises, naming the file and its key.
+        """
+        if h._crcs is None:
+            return
+        i = off // self.cfg.block_size
+        crc = zlib.crc32(buf)
+        if h.kind == "write":
+            h._crcs[i] = crc
+        elif crc != h._crcs[i]:
+            raise SwapCorruptError(
+                errno.EIO, f"zinf swap: file {h._path!r} ({_describe_key(h.key)}) is corrupt: bytes {off}..{off + len(buf)} "
+                f"read back with crc32 {crc:#010x}, written with {h._crcs[i]:#010x}. Something else wrote to "
+                f"the swap folder, or the disk returned bad data; fix: check the disk under "
+                f"{self.cfg.nvme_path!r} (dmesg, smartctl) and restart from the last checkpoint. "
+                f"(SwapConfig.checksum / option nvme_checksum=False skips this check.)")
+
+    @staticmethod
+    def _truncated(h: SwapHandle, err: BaseException) -> Optional["SwapCorruptError"]:
+        """A read error explained by the file being shorter than its payload, as a SwapCorruptError."""
+        try:
+            size = os.fstat(h._fd).st_size
+        except OSError:
+            return None
+        if size >= h.nbytes:
+            return None
+        e = SwapCorruptError(
+            errno.EIO, f"zinf swap: file {h._path!r} ({_describe_key(h.key)}) is truncated: {size} bytes on disk, "
+            f"{h.nbytes} were written. Something else truncated or replaced it (or the disk lost data); fix: "
+            f"check the disk under {os.path.dirname(os.path.dirname(h._path))!r} and restart from the last "
+            f"checkpoint")
+        e.__cause__ = err
+        return e
 
     @staticmethod
     def _zero_copy(h: SwapHandle, off: int, n: int) -> Optional[memoryview]:
@@ -591,7 +730,7 @@ class SwapEngine:
                         h._error = e
                 if h._error is None:
                     old = self._files.get(h.key)
-                    self._files[h.key] = (h.nbytes, padded, h._version)
+                    self._files[h.key] = (h.nbytes, padded, h._version, h._crcs)
                     self._st["disk_bytes"] -= old[1] if old else 0
                     self._st["bytes_written"] += h.nbytes
                     self._st["writes"] += 1
@@ -611,9 +750,10 @@ class SwapEngine:
                     e = h._error
                     if isinstance(e, OSError) and e.errno in _SPACE_ERRNOS and not isinstance(e, SwapError):
                         h._error = SwapSpaceError(
-                            e.errno, f"zinf swap: out of space writing {h.key!r} to {h._path!r}: needs "
+                            e.errno, f"zinf swap: out of space writing {_describe_key(h.key)} to {h._path!r}: needs "
                             f"{padded} bytes ({h.nbytes} payload); fix: free space on "
-                            f"{self.cfg.nvme_path!r}, point nvme_path at a larger disk or swap less")
+                            f"{self.cfg.nvme_path!r}, point nvme_path at a larger disk or swap less. Writes are "
+                            f"atomic: the key keeps its previous version, if it had one")
                         h._error.__cause__ = e
             elif h._error is None:
                 self._st["bytes_read"] += h.nbytes

@@ -60,7 +60,7 @@ def test_bf16_matches_eager_autocast():
     rec = zinf_compile.compile_records()[-1]
     assert rec.counters["gathered_in_compute_dtype"] > 0  # linear weights all-gathered in bf16
     fwd = rec.final("forward")
-    assert "torch.bfloat16" in fwd.code and "zinf.fetch_shard" in fwd.code
+    assert "torch.bfloat16" in fwd.code and "zinf.wait_upload" in fwd.code
 
 
 def test_graphs_hold_zinf_nodes_and_gathered_peak_is_bounded():
@@ -83,9 +83,10 @@ def test_graphs_hold_zinf_nodes_and_gathered_peak_is_bounded():
     fwd = [s for s in snaps if s.stage == "forward"][-1]
     bwd = [s for s in snaps if s.stage == "backward"][-1]
     n_params = len(list(model.parameters()))
-    assert fwd.count("zinf.fetch_shard") == n_params and fwd.count("zinf.release") == n_params
-    assert bwd.count("zinf.reduce_grad") == n_params
-    assert bwd.count("zinf.fetch_shard") == bwd.count("zinf.release") > 0
+    # scheduled: each fetch is an upload start + wait, each gradient reduction a reduce start + waits
+    assert fwd.count("zinf.wait_upload") == n_params and fwd.count("zinf.release") == n_params
+    assert bwd.count("zinf.reduce.default") == bwd.count("zinf.wait_offload") == n_params
+    assert bwd.count("zinf.wait_upload") == bwd.count("zinf.release") > 0
     # the forward saves no gathered parameter for backward: only 0-byte placeholders
     assert zinf_compile.compile_records()[-1].counters["gathered_escaped"] == 0
 

@@ -143,11 +143,112 @@ def test_compile_options_differing_from_init_name_both():
         torch.compile(m, backend="zinf", options={"compiler": "eager"})(torch.randn(2, 4))
 
 
-def test_meta_device_gives_clear_error():
-    with pytest.raises(RuntimeError, match="meta device"):
+def _gpt2_init(m: nn.Module) -> None:
+    """A torchtitan-style per-module init (GPT-2's normal(0, 0.02), zero biases; norms reset): it must set
+    every tensor, since materialize() runs it instead of reset_parameters."""
+    if isinstance(m, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(m.weight, std=0.02)
+        if getattr(m, "bias", None) is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.LayerNorm):
+        m.reset_parameters()
+
+
+def _meta_model(cfg: dict, offload: str = "cpu", init_fn=None, **opts):
+    torch.manual_seed(0)
+    with zinf_compile.init(offload_params=offload, compiler="eager", **opts) as zi:
+        with torch.device("meta"):
+            model = GPT(GPTConfig(**cfg))
+        assert all(p.device.type == "meta" for p in model.parameters())
+        zi.materialize(model, init_fn)
+    return model, zi
+
+
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+def test_meta_model_materialized_equals_eager_and_trains(offload):
+    """to_empty + reset_parameters, one module at a time: bitwise eager construction (init_std=None: the
+    modules' own reset_parameters, as their constructors ran them; the tied head's reset consumes the RNG
+    on a throwaway, as GPT's head did before it was tied)."""
+    cfg = dict(CFG, init_std=None)
+    ref = _eager(cfg)
+    ref_init = {k: v.clone() for k, v in ref.state_dict().items()}
+    model, zi = _meta_model(cfg, offload)
+    assert all(p.device.type == "cpu" and p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    assert zi.partitioned == len(list(model.parameters()))  # the tied weight once
+    assert model.head.weight is model.tok.weight
+    _assert_equal_state(model, ref_init)
+    cmodel = torch.compile(model, backend="zinf", options=zi.options)
+    ref_losses = _train(ref, ref)
+    losses = _train(model, cmodel)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
+
+
+class _TiedFirst(nn.Module):
+    """A tied module built before others: its constructor's reset_parameters consumed the RNG on its own
+    weight, which was tied afterwards; the modules after it depend on that RNG consumption."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(4, 6, bias=False)  # only a tied parameter once tied
+        self.b.weight = self.a.weight
+        self.c = nn.Linear(6, 3)
+        self.d = nn.Linear(4, 6)  # a tied weight and a fresh bias
+        self.d.weight = self.a.weight
+
+
+def test_meta_tied_modules_consume_the_rng_as_their_constructors_did():
+    torch.manual_seed(0)
+    ref = _TiedFirst().state_dict()
+    torch.manual_seed(0)
+    with zinf_compile.init(compiler="eager") as zi:
+        with torch.device("meta"):
+            model = _TiedFirst()
+        zi.materialize(model)
+    assert model.b.weight is model.a.weight is model.d.weight
+    _assert_equal_state(model, ref)
+
+
+def test_meta_model_with_init_fn_equals_eager_init_order():
+    """init_fn per module (torchtitan's init_weights): equals eager construction followed by the same
+    init_fn over model.modules() after the same seed; the tied weight gets the last write (the head's)."""
+    ref = _eager(dict(CFG, init_std=None))
+    torch.manual_seed(0)
+    for m in ref.modules():
+        _gpt2_init(m)
+    model, _ = _meta_model(dict(CFG), init_fn=_gpt2_init)
+    _assert_equal_state(model, ref.state_dict())
+
+
+def test_meta_materialize_keeps_at_most_one_module_whole(tmp_path):
+    """While one module is initialized, every other module's parameters are 0-byte shards or meta; NVMe."""
+    whole = []
+
+    def probe(m: nn.Module) -> None:
+        whole.append(sum(p.untyped_storage().nbytes() for p in model.parameters()
+                         if p.device.type != "meta" and all(p is not q for q in m.parameters(recurse=False))))
+        _gpt2_init(m)
+
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="not materialized"):
+        with zinf_compile.init(offload_params="nvme", nvme_path=str(tmp_path), compiler="eager") as zi:
+            with torch.device("meta"):
+                model = GPT(GPTConfig(**CFG))
+    zi.materialize(model, probe)  # after the block: it is re-entered for the walk
+    assert len(whole) == len(list(model.modules())) and set(whole) == {0}
+    ref = _eager(dict(CFG, init_std=None))
+    torch.manual_seed(0)
+    for m in ref.modules():
+        _gpt2_init(m)
+    _assert_equal_state(model, ref.state_dict())
+
+
+def test_meta_parameters_left_unmaterialized_warn():
+    with pytest.warns(UserWarning, match=r"not materialized.*zi\.materialize\(model\)"):
         with zinf_compile.init():
             with torch.device("meta"):
-                nn.Linear(4, 3)
+                lin = nn.Linear(4, 3)
+    assert lin.weight.device.type == "meta"
     # the block cleaned up: later modules construct normally, unpartitioned
     lin = nn.Linear(2, 2)
     assert lin.weight.untyped_storage().nbytes() > 0
@@ -200,6 +301,12 @@ def test_init_dp2_equals_eager_and_trains(tmp_path):
     for k, v in ref.state_dict().items():
         assert torch.equal(res["initial"][k], v), k
     assert res["no_storage"]
+    # the meta-built copy, materialized module by module on each rank, equals eager construction
+    meta_ref = _eager(dict(CFG, init_std=None)).state_dict()
+    assert res["meta_initial"].keys() == meta_ref.keys()
+    for k, v in meta_ref.items():
+        assert torch.equal(res["meta_initial"][k], v), k
+    assert res["meta_no_storage"] and res["meta_shards"] == res["shards"]
     total = sum(p.numel() * 4 for p in ref.parameters())
     assert all(s <= total // 2 + 4 * len(list(ref.parameters())) for s in res["shards"]), (res["shards"], total)
     ref_losses = _train(ref, ref)

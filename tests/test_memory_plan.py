@@ -77,7 +77,10 @@ def test_gathered_intervals_end_at_their_release(planned):
     for iv in gathered:
         s = plan.steps[iv.end]
         assert s.target == "zinf.release.default" and iv.end_node == f"{s.stage}:{s.node}", iv
-        assert plan.steps[iv.start].target == "zinf.fetch_shard.default", iv
+        # born where the runtime allocates it: the upload (dp = 1: the shard is the parameter) or
+        # the all-gather's start; the blocking fetch_shard when the schedule pass is disabled
+        assert plan.steps[iv.start].target in ("zinf.upload.default", "zinf.gather.default",
+                                               "zinf.fetch_shard.default"), iv
         assert iv.param and not iv.param.startswith(("inner.", "l_self")), iv.param
 
 

@@ -147,7 +147,7 @@ def test_overwrite_keeps_latest_and_orders_per_key(eng):
     hr.wait()
     assert torch.equal(out_b, b[:-5]) and torch.equal(out_c, c)
     assert eng.nbytes("k") == c.numel() and eng.stats()["keys"] == 1
-    assert sorted(os.listdir(eng.dir)) == [".lock", "k_k"]  # no stale versions
+    assert sorted(os.listdir(eng.dir)) == [".lock", ".owner", "k_k"]  # no stale versions
 
 
 def test_long_same_key_chain_and_failed_write_then_read(eng):
@@ -196,7 +196,7 @@ def test_exists_remove_and_errors(eng):
         eng.read("k", torch.empty(20)[::2])
     eng.remove("k")
     assert not eng.exists("k") and eng.stats()["disk_bytes"] == 0
-    assert os.listdir(eng.dir) == [".lock"]
+    assert sorted(os.listdir(eng.dir)) == [".lock", ".owner"]
     eng.remove("k")  # idempotent
 
 

@@ -117,13 +117,15 @@ def test_matmul_forms():
     assert {k: v["dim"] for k, v in plans.items()} == {"e": 1, "a": 1, "b": 0, "c": 1, "d": 2}
 
 
-def test_each_tile_is_its_own_unit_and_working_memory_shrinks():
+@pytest.mark.parametrize("depths,ahead", [((0, 0, 0), 0), ((3, 2, 1), 2)], ids=["serial", "lookahead"])
+def test_each_tile_is_its_own_unit_and_working_memory_shrinks(depths, ahead):
     peaks = {}
     for tiles in (1, 4):
         torch._dynamo.reset()
         torch.manual_seed(0)
         lin = nn.Linear(32, 256, bias=False)
-        cm = torch.compile(lin, backend="zinf", options={"compiler": "eager", "tiles": tiles, "tile_threshold_bytes": 0})
+        cm = torch.compile(lin, backend="zinf", options={"compiler": "eager", "tiles": tiles, "tile_threshold_bytes": 0,
+                                                         "prefetch_depths": depths})
         zinf_compile.reset_peak_memory_stats()
         base = zinf_compile.memory_stats()["device"]["gathered"]["current"]
         cm(torch.randn(8, 32)).sum().backward()
@@ -137,7 +139,9 @@ def test_each_tile_is_its_own_unit_and_working_memory_shrinks():
             assert [u.numel for u in units] == [64 * 32] * 4
             assert all(u.grad is not None and u.grad.numel() == 64 * 32 for u in units)
     assert peaks[1] == 256 * 32 * 4
-    assert peaks[4] == 64 * 32 * 4  # one tile at a time, in forward and backward
+    # one tile at a time in forward and backward, plus the tiles uploaded ahead of their use (the
+    # upload depth: the device buffer exists from the upload's start)
+    assert peaks[4] == (1 + ahead) * 64 * 32 * 4
 
 
 def test_budget_chooses_tiles_and_runtime_refuses_to_exceed_it():

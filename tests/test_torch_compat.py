@@ -112,3 +112,25 @@ def test_storage_key_shared_by_aliases_and_stable_across_resize():
     p.untyped_storage().resize_(0)
     assert _torch_compat.storage_key(p) == key
     assert _torch_compat.storage_key(torch.randn(4, 3)) != key
+
+
+def test_is_dynamo_restart():
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+
+    assert tc.is_dynamo_restart(TensorifyScalarRestartAnalysis())
+    assert not tc.is_dynamo_restart(RuntimeError("x"))
+
+
+def test_default_store_is_the_process_groups_store(tmp_path):
+    import torch.distributed as dist
+
+    assert tc.default_store() is None  # no process group yet
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        store = tc.default_store()
+        store.set("zinf/probe", "x")
+        assert store.check(["zinf/probe"]) and store.get("zinf/probe") == b"x"
+        assert store.compare_set("zinf/first", "", "a") == b"a"
+        assert store.compare_set("zinf/first", "", "b") == b"a"  # the first value posted stays
+    finally:
+        dist.destroy_process_group()

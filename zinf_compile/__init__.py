@@ -10,6 +10,7 @@ from zinf_runtime import memory_stats, reset_peak_memory_stats
 
 from . import optim
 from .backend import zinf_backend
+from .checkpoint import CheckpointError, checkpoint_exists, export, load, save
 from .config import Config
 from .init import init
 from .memory_plan import memory_plan
@@ -19,6 +20,11 @@ from .state import full_state_dict, gathered
 __all__ = [
     "Config",
     "init",
+    "save",
+    "load",
+    "export",
+    "checkpoint_exists",
+    "CheckpointError",
     "optim",
     "zinf_backend",
     "full_state_dict",

@@ -9,7 +9,7 @@ custom-pass hook. When a torch release moves one of them, this file is the only 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.fx
@@ -137,3 +137,59 @@ def storage_key(t: torch.Tensor) -> int:
     """An identity of ``t``'s StorageImpl, shared by every alias (views, ``.data``, ``detach()``) and
     stable across ``resize_`` (unlike ``data_ptr()``, which is 0 for a 0-byte storage)."""
     return t.untyped_storage()._cdata
+
+
+def is_dynamo_restart(exc: BaseException) -> bool:
+    """Whether ``exc`` is Dynamo's own "restart the analysis" signal (e.g. AOTAutograd's scalar
+    tensorification under ``dynamic=True``): control flow Dynamo catches and retries, not a
+    failure, so a backend must let it through instead of falling back."""
+    from torch._dynamo.exc import RestartAnalysis
+
+    return isinstance(exc, RestartAnalysis)
+
+
+def default_store() -> Optional[Any]:
+    """The default process group's c10d store (``torch.distributed.distributed_c10d._get_default_store``,
+    private; torch 2.13 has no public accessor), or None when there is none. zinf posts a failed rank's
+    error there so the other ranks stop instead of waiting (``zinf_runtime.comm.post_failure``)."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+    except ImportError:  # pragma: no cover - torch moved it: failures then end in the collective timeout
+        return None
+    try:
+        return _get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+def compile_options_of(module: Any) -> Any:
+    """``(backend, options)`` that ``torch.compile(module, backend=..., options=...)`` (an
+    ``OptimizedModule``) or ``module.compile(...)`` (in place) was given, or None if uncompiled.
+
+    Checkpoint loading needs them before the first call, when nothing is partitioned yet: the options
+    say where the shards go. Dynamo keeps the backend wrapper (``_TorchCompileWrapper``, holding
+    ``kwargs["options"]``) at the end of the ``_torchdynamo_orig_backend`` chain of its context's
+    callback; an in-place compile keeps that context in the closure of ``_compiled_call_impl``.
+    """
+    from torch._dynamo.eval_frame import innermost_backend
+
+    ctx = getattr(module, "dynamo_ctx", None)
+    if ctx is None:
+        fn = getattr(module, "_compiled_call_impl", None)
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:
+                continue
+            if hasattr(value, "callback"):
+                ctx = value
+                break
+    callback = getattr(ctx, "callback", None)
+    if callback is None or not callable(callback):
+        return None
+    backend = innermost_backend(callback)
+    name = getattr(backend, "compiler_name", None)
+    kwargs = getattr(backend, "kwargs", None)
+    if name is None or kwargs is None:
+        return None
+    return name, kwargs.get("options")

@@ -36,6 +36,7 @@ from .passes.insert_release import insert_release_pass
 from .passes.mark_grads import mark_grads_pass
 from .passes.reduce_grad import reduce_grad_pass
 from .passes.plan_tiling import plan_tiling_pass
+from .passes.schedule import plan_schedule_pass, schedule_pass
 from .passes.sink_fetch import sink_fetch_pass
 from .passes.tile_matmul import tile_matmul_pass
 from .pipeline import CompileContext, Pass, ParamInfo, new_record, run_passes
@@ -48,12 +49,16 @@ DYNAMO_PASSES: List[Tuple[str, Pass]] = [
     ("tile_matmul", tile_matmul_pass),
 ]
 JOINT_PASSES: List[Tuple[str, Pass]] = [("insert_fetch", insert_fetch_pass), ("mark_grads", mark_grads_pass)]
-FORWARD_PASSES: List[Tuple[str, Pass]] = [("sink_fetch", sink_fetch_pass), ("insert_release", insert_release_pass)]
+SCHEDULE_PASSES: List[Tuple[str, Pass]] = [("plan_schedule", plan_schedule_pass), ("schedule", schedule_pass)]
+FORWARD_PASSES: List[Tuple[str, Pass]] = [
+    ("sink_fetch", sink_fetch_pass),
+    ("insert_release", insert_release_pass),
+] + SCHEDULE_PASSES
 BACKWARD_PASSES: List[Tuple[str, Pass]] = [
     ("sink_fetch", sink_fetch_pass),
     ("reduce_grad", reduce_grad_pass),
     ("insert_release", insert_release_pass),
-]
+] + SCHEDULE_PASSES
 INFERENCE_PASSES: List[Tuple[str, Pass]] = [("insert_fetch", insert_fetch_pass)] + FORWARD_PASSES
 
 
@@ -143,8 +148,10 @@ def _partition_inputs(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: 
     for (i, t), uid, name in zip(found, uids, names):
         h = zinf_runtime.handle_of(t)
         parts = tuple((u.uid, u.shard_numel, u.shape) for u in h.tiles) if h.tiles is not None else ()
+        slot = (h.tiles[0] if h.tiles else h)
+        tier_of = (slot.param_copy or slot.master).tier
         infos[i] = ParamInfo(i, uid, h.name, tuple(t.shape), t.dtype, h.shard_numel, t.requires_grad, h.world,
-                             parts, h.tile_dim)
+                             parts, h.tile_dim, tier_of)
     return infos
 
 
@@ -160,12 +167,18 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: Conf
     _check_dtypes(gm, example_inputs)
     inputs_params = [t for t in example_inputs if isinstance(t, torch.nn.Parameter)]
     before = {id(t) for t in inputs_params if zinf_runtime.handle_of(t) is not None}
+    if len(before) < len(inputs_params):  # partitioning broadcasts: ranks must agree on the parameters first
+        phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        rendezvous.check_compile(record.name, [(_param_name(phs[i]) if i < len(phs) else f"input{i}", t)
+                                               for i, t in enumerate(example_inputs)
+                                               if isinstance(t, torch.nn.Parameter)], cfg.resolved_group())
     device_type = inputs_params[0].device.type if inputs_params else "cpu"
     params: dict[int, ParamInfo] = {}
     try:
         params = _partition_inputs(gm, example_inputs, cfg)
         record.counters["partitioned_inputs"] = len(params)
-        fallback.install_call_guards([example_inputs[i] for i in params])
+        if cfg.trace:
+            _start_trace(cfg, [example_inputs[i] for i in params])
         mutated = fallback.mutated_param_inputs(gm, params)
         if mutated:
             idx, op = next(iter(mutated.items()))
@@ -174,15 +187,30 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: Conf
         else:
             compiled = _compile_partitioned(gm, example_inputs, cfg, params, record, device_type)
     except Exception as exc:  # noqa: BLE001 - any failure after partitioning must leave the user whole
+        if _torch_compat.is_dynamo_restart(exc):
+            raise  # Dynamo retraces (the parameters stay partitioned; the next call finds them so)
         if isinstance(exc, ValueError) and all(
                 zinf_runtime.handle_of(t) is None or id(t) in before for t in inputs_params):
             raise  # a bad setting, found before this compile partitioned anything: the user's to fix
         log.debug("zinf: graph %s falls back", record.id, exc_info=True)
         compiled = _fall_back(gm, params, cfg, device_type, record, _reason(exc), {})
+    # after compiling: a forward pre-hook registered before a Dynamo restart (dynamic=True) would
+    # send the retrace down another call path than the first trace, which Dynamo refuses
+    fallback.install_call_guards([example_inputs[i] for i in params])
     # ranks must agree on the graph and on how it runs (rewritten or gather-all: other collectives)
     how = "gather-all fallback" if record.counters.get("gather_all_fallback") else "rewritten"
-    compiled = rendezvous.guard(compiled, params, cfg.resolved_group(), f"{record.name} ({how})")
+    compiled = rendezvous.guard(compiled, params, cfg.resolved_group(), f"{record.name} ({how})", record=record)
     return fallback.guard_other_instances(compiled, params, example_inputs)
+
+
+def _start_trace(cfg: Config, params: List[Any]) -> None:
+    """``options={"trace": path}``: the transfer engine of each model these parameters belong to
+    records one step (``zinf_runtime.trace``)."""
+    from zinf_runtime.trace import Tracer
+
+    for ctx in zinf_runtime.contexts_of(params):
+        if ctx.transfers.tracer is None:
+            ctx.transfers.tracer = Tracer(str(cfg.trace), rank=zinf_runtime.comm.rank(cfg.resolved_group()))
 
 
 def _reason(exc: BaseException) -> str:

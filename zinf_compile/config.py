@@ -36,6 +36,10 @@ class Config:
         each rank swaps into its own 0700 folder there, removed at exit.
     swap_block_size, swap_queue_depth, swap_buffer_count, swap_buffer_size: the swap engine's IO
         block, requests in flight (IO threads), and aligned bounce-buffer pool.
+    nvme_checksum: the swap engine keeps a crc32 of every block it writes and verifies it on every
+        read, so a corrupted or truncated swap file raises an error naming it instead of training on
+        bad bytes. zlib's crc32 runs at ~0.7 GiB/s per IO thread (in parallel, GIL released), which
+        is not free next to a fast NVMe drive: ``benchmarks/swap_checksum.py`` measures it (False skips it).
     optimizer_sub_group_bytes: state bytes (16 per parameter: master, gradient, two moments) an
         NVMe optimizer steps at a time; bounds its host memory.
     mixed_precision: ``None`` trains in the model's dtype; ``"bf16"``/``"fp16"`` run the model as under
@@ -84,6 +88,7 @@ class Config:
     swap_queue_depth: int = 8
     swap_buffer_count: int = 4
     swap_buffer_size: int = 64 << 20
+    nvme_checksum: bool = True
     optimizer_sub_group_bytes: int = 256 << 20
     mixed_precision: Optional[str] = None
     dump_dir: Optional[str] = field(default_factory=lambda: os.environ.get("ZINF_DUMP_DIR") or None)
@@ -185,9 +190,10 @@ class Config:
         try:
             return SwapConfig(nvme_path=os.path.abspath(str(self.nvme_path)), block_size=self.swap_block_size,
                               queue_depth=self.swap_queue_depth, buffer_count=self.swap_buffer_count,
-                              buffer_size=self.swap_buffer_size)
+                              buffer_size=self.swap_buffer_size, checksum=self.nvme_checksum)
         except ValueError as e:  # name our option, not the runtime's field
-            raise ValueError(f"zinf swap option: {e}".replace("SwapConfig.", "swap_")) from None
+            text = str(e).replace("SwapConfig.checksum", "nvme_checksum").replace("SwapConfig.", "swap_")
+            raise ValueError(f"zinf swap option: {text}") from None
 
     @classmethod
     def from_options(cls, options: Optional[Mapping[str, Any]] = None) -> "Config":

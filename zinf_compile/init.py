@@ -21,6 +21,15 @@ How (no torch internals are patched):
   as GPT-2 does, weight tying) would write 0-byte storage: a ``TorchFunctionMode`` active in the
   block sees every torch call that touches a partitioned parameter (or an alias of it), gathers
   that one parameter back for the call, and writes it back to its shards afterwards;
+- models built on the ``meta`` device (torchtitan's way) are materialized by :meth:`ZinfInit.materialize`
+  one module at a time: its own tensors allocated (``to_empty`` of that module alone), initialized
+  (its ``reset_parameters``, or the ``init_fn`` given), partitioned, freed::
+
+      with zinf_compile.init(offload_params="nvme", nvme_path="/nvme") as zi:
+          with torch.device("meta"):
+              model = GPT(cfg)        # no memory: shapes only
+          zi.materialize(model)       # tok: allocate, reset, partition; pos: ...; blocks.0.qkv: ...
+
 - random init is the module's own, in construction order and on the same RNG as eager code, so the
   same seed gives the same values. With dp > 1 each rank runs the same init and keeps its shard; no
   broadcast is needed, which is checked once: ranks whose RNG states differ get rank 0's values by
@@ -32,8 +41,10 @@ from __future__ import annotations
 import functools
 import inspect
 import time
+import warnings
+import weakref
 import zlib
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -146,6 +157,7 @@ class ZinfInit:
         self._patched: List[Tuple[type, Any]] = []
         self._undo: List[Any] = []
         self._broadcast = False
+        self._meta: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # modules holding meta parameters
         self._bar: Any = None
         self.partitioned = 0  # parameters partitioned by this block
         self.partitioned_bytes = 0
@@ -197,6 +209,14 @@ class ZinfInit:
             if exc[0] is None:
                 for f in self._stack:  # only after an error inside a constructor
                     self._partition_frame(f)
+                left = [(m, n) for m in list(self._meta) for n, p in m._parameters.items()
+                        if p is not None and p.device.type == "meta"]
+                if left:
+                    warnings.warn(
+                        f"zinf.init: {len(left)} parameters built on the meta device were not materialized "
+                        f"(e.g. {type(left[0][0]).__name__}.{left[0][1]}); call zi.materialize(model) (inside "
+                        "the block or after it) to allocate, initialize and partition them one module at a time",
+                        stacklevel=2)
         finally:
             self._mode.__exit__(*exc)
             self._restore()
@@ -260,17 +280,14 @@ class ZinfInit:
         for module, name in frame.pending:
             self._partition(module, name)
 
-    def _partition(self, module: torch.nn.Module, name: str) -> None:
+    def _partition(self, module: torch.nn.Module, name: str, label: Optional[str] = None) -> None:
         p = module._parameters.get(name)
         if p is None or zinf_runtime.handle_of(p) is not None:
             return
-        label = f"{type(module).__name__}.{name}"
-        if p.device.type == "meta":
-            raise RuntimeError(
-                f"zinf.init: parameter {label} {tuple(p.shape)} is on the meta device, so it has no values to "
-                "partition. Inside zinf_compile.init() build the model on a real device (init already keeps "
-                "only one submodule whole at a time); a model built on meta and materialized later (to_empty + "
-                "reset_parameters) is partitioned at torch.compile instead, after it exists whole.")
+        label = label or f"{type(module).__name__}.{name}"
+        if p.device.type == "meta":  # shapes only: materialize() allocates, initializes and partitions it
+            self._meta.add(module)
+            return
         with torch.no_grad():
             if self.dtype is not None and p.is_floating_point() and p.dtype != self.dtype:
                 p.data = p.data.to(self.dtype)
@@ -283,6 +300,58 @@ class ZinfInit:
         self.partitioned_bytes += nbytes
         self._bar.update(nbytes)
 
+
+    # -- meta-device models ------------------------------------------------------------------
+    def materialize(self, model: torch.nn.Module, init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
+                    ) -> torch.nn.Module:
+        """Allocate, initialize and partition a model built on the ``meta`` device, one module at a time.
+
+        Modules are visited in ``model.modules()`` order (construction order for ordinary models). For
+        each one holding meta tensors of its own: they are allocated on ``device`` (``to_empty`` of that
+        module alone), initialized, and its parameters partitioned before the next module is touched, so
+        at most one module's parameters exist whole. Initialization is the module's ``reset_parameters()``
+        (what its constructor ran: the same seed gives eager construction's values), or ``init_fn(module)``
+        for every module when given (torchtitan's ``init_weights``; eager equivalent: ``init_fn`` applied
+        to ``model.modules()`` in order after the same seed). A tied parameter (the same meta Parameter in
+        two modules) is allocated once; a later module's ``reset_parameters`` initializes a throwaway copy,
+        as its constructor did before the weight was tied, while ``init_fn`` sees the tied parameter itself.
+        Meta buffers are allocated uninitialized unless the initializer sets them. Returns ``model``.
+        """
+        if ZinfInit._active is not self:  # after the block: re-enter it for the walk
+            with self:
+                return self.materialize(model, init_fn)
+        done: Dict[int, torch.nn.Parameter] = {}  # id(meta Parameter) -> its materialized Parameter
+        for prefix, mod in model.named_modules(remove_duplicate=True):
+            fresh, tied = [], []
+            for n, p in list(mod._parameters.items()):
+                if p is None or p.device.type != "meta":
+                    continue
+                if id(p) in done:
+                    tied.append(n)
+                    mod._parameters[n] = done[id(p)]
+                    continue
+                new = torch.nn.Parameter(torch.empty_like(p, device=self.device), requires_grad=p.requires_grad)
+                done[id(p)] = new
+                mod._parameters[n] = new  # plain assignment: no registration hook, partitioned below
+                fresh.append(n)
+            bufs = [n for n, b in mod._buffers.items() if b is not None and b.device.type == "meta"]
+            for n in bufs:
+                mod._buffers[n] = torch.empty_like(mod._buffers[n], device=self.device)
+            if init_fn is not None:
+                init_fn(mod)
+            elif (fresh or bufs or tied) and callable(getattr(mod, "reset_parameters", None)):
+                kept = {n: mod._parameters[n] for n in tied}
+                for n in tied:  # the constructor initialized its own tensor, tied only afterwards
+                    mod._parameters[n] = torch.nn.Parameter(  # torch.empty: shapes only, nothing gathered
+                        torch.empty(kept[n].shape, dtype=kept[n].dtype, device=self.device), requires_grad=False)
+                try:
+                    mod.reset_parameters()
+                finally:
+                    mod._parameters.update(kept)
+            for n in fresh:
+                self._partition(mod, n, f"{prefix}.{n}" if prefix else n)
+            self._meta.discard(mod)
+        return model
 
 def init(offload_params: str = "none", nvme_path: Optional[str] = None, device: Any = None,
          dtype: Optional[torch.dtype] = None, process_group: Any = None, offload_optimizer: str = "none",

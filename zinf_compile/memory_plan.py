@@ -93,7 +93,7 @@ from zinf_runtime.swap import ALIGN as SWAP_ALIGN
 
 from .analytic import human_bytes
 from .config import Config
-from .ops import FETCH_SHARD, REDUCE_GRAD, RELEASE
+from .ops import FETCH_SHARD, REDUCE, REDUCE_GRAD, RELEASE, TICKET_OPS, WAIT_GATHER, WAIT_UPLOAD
 from .pipeline import CompileRecord, compile_records
 
 Bytes = Union[int, sympy.Expr]
@@ -263,8 +263,8 @@ class _Builder:
                     role = "tangent" if n.name.startswith("tangents") else "input"
                     add(_Val(key, n.name, first, end, end_node, role, self._bytes(val), node=n))
                 continue
-            if n.op not in ("call_function", "get_attr", "call_module"):
-                continue
+            if n.op not in ("call_function", "get_attr", "call_module") or n.target in TICKET_OPS:
+                continue  # tickets are one-element CPU tensors, not memory worth planning
             end, end_node = last_use(n)
             if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node):
                 src = (rec.id, stage, n.args[0].name, n.args[1])
@@ -283,7 +283,10 @@ class _Builder:
                 continue
             parent = self._key_of(rec.id, stage, _alias_arg(n))
             role = "input" if n.op == "get_attr" else "temp"
-            add(_Val(key, n.name, pos[n], end, end_node, role, 0 if parent else self._gathered_bytes(n, val),
+            born = pos[n]
+            if n.target in (WAIT_UPLOAD, WAIT_GATHER) and n.args[0] in pos:
+                born = pos[n.args[0]]  # the runtime allocates the buffer when the transfer starts
+            add(_Val(key, n.name, born, end, end_node, role, 0 if parent else self._gathered_bytes(n, val),
                      parent, node=n))
         self._runtime_nodes(rec, stage, nodes, pos)
 
@@ -328,14 +331,22 @@ class _Builder:
         otier = tiers[rec.config.offload_optimizer]  # fp32 master, gradient shard, optimizer state
         for n in nodes:
             z = n.meta.get("zinf") or {}
-            if n.op != "call_function" or n.target not in (FETCH_SHARD, REDUCE_GRAD):
+            if n.op != "call_function" or n.target not in (FETCH_SHARD, WAIT_UPLOAD, REDUCE_GRAD, REDUCE):
                 continue
-            uid = n.args[1] if n.target is FETCH_SHARD else n.args[2]  # reduce_grad(grad, param, uid)
+            fetch = n.target in (FETCH_SHARD, WAIT_UPLOAD)
+            # fetch_shard(param, uid, n, dtype), wait_upload(ticket, param, uid, n, dtype),
+            # reduce_grad / reduce(grad, param, uid)
+            args = n.args[1:] if n.target is WAIT_UPLOAD else n.args
+            uid = args[1] if fetch else args[2]
             param = z.get("param")
             h = _handle(uid)
             shard_numel = h.shard_numel if h is not None else None
-            if n.target is FETCH_SHARD:
-                shard_numel, dtype = n.args[2], n.args[3]
+            read_at = pos[n]
+            if n.target is WAIT_UPLOAD:  # the NVMe read buffer is live from the read's start
+                load = n.args[0].args[4] if isinstance(n.args[0], torch.fx.Node) else None
+                read_at = pos.get(load, pos.get(n.args[0], read_at)) if load is not None else read_at
+            if fetch:
+                shard_numel, dtype = args[2], args[3]
                 pdtype = h.dtype if h is not None else torch.float32
                 shared = tier == otier and (tier == "nvme" or pdtype == torch.float32)
                 self._once(("param", uid), Interval(f"shard:{param}", otier, "param", "shard", 4 * shard_numel,
@@ -349,7 +360,7 @@ class _Builder:
                     nb = shard_numel * torch.empty((), dtype=src_dtype).element_size()
                     if dtype != src_dtype:  # + the cast on the host, as transient
                         nb = nb + shard_numel * torch.empty((), dtype=dtype).element_size()
-                    self.extra.append(Interval(f"{stage}:{n.name}", "cpu", "staging", "read_buffer", nb, pos[n],
+                    self.extra.append(Interval(f"{stage}:{n.name}", "cpu", "staging", "read_buffer", nb, read_at,
                                                pos[n], f"{stage}:{n.name}", (), param))
                 elif dtype != torch.float32:  # memory tiers cache the compute-dtype copy until the step
                     nb = shard_numel * torch.empty((), dtype=dtype).element_size()
@@ -429,7 +440,7 @@ class _Builder:
                     end, end_node = max(end, self.step_of[(rkey[0], rkey[1], rel[0].name)]), f"{rkey[1]}:{rel[0].name}"
             elif z.get("kind") == "fetch_shard":
                 role = "fetched_shard"
-            elif any(u.target is REDUCE_GRAD for u in users):
+            elif any(u.target in (REDUCE_GRAD, REDUCE) for u in users):
                 kind = "grad_buffer"
             saved = [m for m in members if m.role == "saved"]
             if saved and self.hold_saved:  # AOTAutograd's ctx holds saved tensors until backward returns
@@ -777,6 +788,7 @@ def build_plan(records: Sequence[CompileRecord], optimizer: Optional[str] = None
         ps = set()
         for gm in r.final_modules.values():
             ps |= {n.args[0].name for n in gm.graph.nodes if n.op == "call_function" and n.target is FETCH_SHARD}
+            ps |= {n.args[1].name for n in gm.graph.nodes if n.op == "call_function" and n.target is WAIT_UPLOAD}
         params[r.id] = ps
         bw = r.final_modules.get("backward")
         saved[r.id] = {n.name for n in bw.graph.nodes if n.op == "placeholder"

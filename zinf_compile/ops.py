@@ -19,8 +19,20 @@ ALL_GATHER = torch.ops.zinf.all_gather.default
 RELEASE = torch.ops.zinf.release.default
 REDUCE_GRAD = torch.ops.zinf.reduce_grad.default
 GRAD_OF = torch.ops.zinf.grad_of.default  # joint-graph marker only
+# the scheduled form: a start returning a ticket, a wait before first use (zinf_runtime.transfer)
+LOAD = torch.ops.zinf.load.default
+UPLOAD = torch.ops.zinf.upload.default
+WAIT_UPLOAD = torch.ops.zinf.wait_upload.default
+GATHER = torch.ops.zinf.gather.default
+WAIT_GATHER = torch.ops.zinf.wait_gather.default
+REDUCE = torch.ops.zinf.reduce.default
+WAIT_REDUCE = torch.ops.zinf.wait_reduce.default
+WAIT_OFFLOAD = torch.ops.zinf.wait_offload.default
+TICKET_OPS = (LOAD, UPLOAD, GATHER, REDUCE, WAIT_REDUCE)  # their results are tickets, not data
+WAIT_OPS = (WAIT_UPLOAD, WAIT_GATHER, WAIT_REDUCE, WAIT_OFFLOAD)
 
-ZINF_OPS = (FETCH_SHARD, ALL_GATHER, RELEASE, REDUCE_GRAD, GRAD_OF)
+ZINF_OPS = (FETCH_SHARD, ALL_GATHER, RELEASE, REDUCE_GRAD, GRAD_OF) + TICKET_OPS + (WAIT_UPLOAD, WAIT_GATHER,
+                                                                                   WAIT_OFFLOAD)
 
 
 

@@ -95,6 +95,7 @@ class ParamInfo:
     # a parameter tiled by an earlier compile: (uid, shard_numel, shape) of each tile, along tile_dim
     parts: Tuple[Tuple[int, int, Tuple[int, ...]], ...] = ()
     tile_dim: int = 0
+    tier: str = "device"  # where the fetched copy lives: "device", "cpu" or "nvme" (NVMe adds a read)
 
 
 @dataclass

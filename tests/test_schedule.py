@@ -1,0 +1,240 @@
+"""The lookahead schedule (zinf_compile/passes/schedule.py) and the asynchronous runtime under it.
+
+Invariants on the compiled graphs (every wait after its start and before its first use, every
+release after the last reader, in-flight bytes under the cap, the serial depths giving today's
+order exactly) and numerics: scheduled, serial and unscheduled runs give bitwise the same
+gradients and parameters, since the schedule moves transfers, never arithmetic.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+import torch.fx
+
+import zinf_compile
+from zinf_compile.models import GPT, GPTConfig, make_batch
+from zinf_compile.ops import (ALL_GATHER, FETCH_SHARD, GATHER, LOAD, REDUCE, REDUCE_GRAD, RELEASE, UPLOAD, WAIT_GATHER,
+                              WAIT_OFFLOAD, WAIT_REDUCE, WAIT_UPLOAD)
+from zinf_compile.passes._graph import alias_closure
+
+from conftest import zinf_full_grads
+from test_dp import run_dp
+
+CFG = GPTConfig(vocab=64, seq=16, layers=3, hidden=32, heads=2)
+SERIAL = {"prefetch_depths": (0, 0, 0), "reduce_depths": (0, 0)}
+UNSCHEDULED = {"disabled_passes": ("plan_schedule", "schedule")}
+STARTS = {WAIT_UPLOAD: UPLOAD, WAIT_GATHER: GATHER, WAIT_REDUCE: REDUCE}
+
+
+def _train(options: dict, steps: int = 2, tmp=None, cfg: GPTConfig = CFG) -> Tuple[List[float], Dict, Dict, list]:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opts = dict(compiler="eager", **options)
+    if "nvme" in (opts.get("offload_params"), opts.get("offload_optimizer")):
+        opts["nvme_path"] = str(tmp)
+    cm = torch.compile(model, backend="zinf", options=opts)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses, grads = [], {}
+    for step in range(steps):
+        x, y = make_batch(cfg, 4, seed=step)
+        loss = cm(x, y)
+        loss.backward()
+        if step == 0:
+            grads = zinf_full_grads(model)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    records = [r for r in zinf_compile.compile_records() if r.final_modules]
+    return losses, grads, zinf_compile.full_state_dict(model), records[-1:]
+
+
+def _graphs(records) -> List[Tuple[str, torch.fx.Graph]]:
+    return [(stage, gm.graph) for r in records for stage, gm in r.final_modules.items()
+            if stage in ("forward", "backward", "inference")]
+
+
+OFFLOADS = [dict(), dict(offload_params="cpu", offload_optimizer="cpu"),
+            dict(offload_params="nvme", offload_optimizer="nvme"),
+            dict(tiles=3, tile_threshold_bytes=2_000)]
+
+
+@pytest.mark.parametrize("offload", OFFLOADS, ids=["memory", "cpu", "nvme", "tiled"])
+def test_schedule_changes_no_number(offload, tmp_path):
+    base = _train({**offload, **UNSCHEDULED}, tmp=tmp_path)
+    for variant in (SERIAL, {}, {"prefetch_depths": (4, 3, 2), "reduce_depths": (2, 3)}):
+        got = _train({**offload, **variant}, tmp=tmp_path)
+        assert got[0] == base[0], variant
+        for k, g in base[1].items():
+            assert torch.equal(got[1][k], g), (variant, k)
+        for k, v in base[2].items():
+            assert torch.equal(got[2][k], v), (variant, k)
+
+
+def _waits_and_releases(graph: torch.fx.Graph) -> None:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target in STARTS:
+            start = n.args[0]
+            assert start.target is STARTS[n.target] and order[start] < order[n], n
+            users = [u for u in n.users if u.target is not RELEASE]
+            assert users and all(order[n] < order[u] for u in users), n
+            if n.target is WAIT_REDUCE:  # its result is the offload's ticket, waited for later on purpose
+                continue
+            # right before its first use: nothing but other transfer ops or views of the
+            # parameter run between the wait and the node that reads its result
+            first = min(users, key=order.__getitem__)
+            between = list(graph.nodes)[order[n] + 1:order[first]]
+            assert all(b.meta.get("zinf") for b in between), (n, first, between)
+        if n.target is WAIT_OFFLOAD:
+            assert n.args[0].target is WAIT_REDUCE and order[n.args[0]] < order[n]
+        if n.target is RELEASE:
+            full = n.args[0]
+            readers = {u for a in alias_closure(full) for u in a.users if u is not n}
+            assert all(order[r] < order[n] for r in readers), n
+            # the transfer that read the buffer is done: a gathered buffer's all-gather was waited
+            # (it is the wait's own result), and a shard read by an all-gather outlives its wait
+            if full.target is WAIT_UPLOAD:
+                for g in (u for u in full.users if u.target is GATHER):
+                    waits = [w for w in g.users if w.target is WAIT_GATHER]
+                    assert waits and all(order[w] < order[n] for w in waits)
+
+
+def test_every_wait_follows_its_start_and_precedes_its_use(tmp_path):
+    *_, records = _train({"offload_params": "nvme", "offload_optimizer": "nvme", "tiles": 2,
+                          "tile_threshold_bytes": 2_000}, steps=1, tmp=tmp_path)
+    graphs = _graphs(records)
+    assert {s for s, _ in graphs} >= {"forward", "backward"}
+    for stage, g in graphs:
+        targets = [n.target for n in g.nodes]
+        assert FETCH_SHARD not in targets and REDUCE_GRAD not in targets, stage  # all rewritten
+        assert targets.count(LOAD) == targets.count(UPLOAD) == targets.count(WAIT_UPLOAD) > 0, stage
+        if stage == "backward":
+            assert targets.count(REDUCE) == targets.count(WAIT_REDUCE) == targets.count(WAIT_OFFLOAD) > 0
+        _waits_and_releases(g)
+
+
+def test_prefetch_runs_ahead_by_the_depths(tmp_path):
+    *_, records = _train({"offload_params": "nvme", "offload_optimizer": "nvme"}, steps=1, tmp=tmp_path)
+    fwd = records[0].final_modules["forward"].graph
+    tags = [n.meta["zinf"] for n in fwd.nodes if n.target in (LOAD, UPLOAD)]
+    lead = {(t["kind"], t["op"] - t["at"]) for t in tags if t["op"] >= 3}
+    assert lead == {("load_start", 3), ("upload_start", 2)}, lead
+    # in graph order: the load of operator k comes before operator k-3's compute node
+    order = {n: i for i, n in enumerate(fwd.nodes)}
+    loads = [n for n in fwd.nodes if n.target is LOAD]
+    assert order[loads[-1]] < order[[n for n in fwd.nodes if n.target is WAIT_UPLOAD][-3]]
+
+
+def _inflight(graph: torch.fx.Graph) -> int:
+    """The largest number of bytes fetched ahead of their operator at any point of the graph."""
+    peak = 0
+    spans = []
+    for n in graph.nodes:
+        z = n.meta.get("zinf", {})
+        if n.target is WAIT_UPLOAD and "schedule" in z:
+            s = z["schedule"]
+            spans.append((min(s["load_at"], s["upload_at"], s["gather_at"]), s["op"], s["bytes"]))
+    for j in range(max((op for _, op, _ in spans), default=0) + 1):
+        ahead = sum(b for lo, op, b in spans if max(lo, 0) <= j < op)
+        peak = max(peak, ahead)
+    return peak
+
+
+def test_inflight_bytes_stay_under_the_cap(tmp_path):
+    *_, free = _train({"offload_params": "cpu"}, steps=1, tmp=tmp_path)
+    uncapped = max(_inflight(g) for _, g in _graphs(free))
+    cap = uncapped // 3
+    losses, grads, state, capped = _train({"offload_params": "cpu", "max_inflight_bytes": cap}, steps=1, tmp=tmp_path)
+    assert uncapped > 0
+    for _, g in _graphs(capped):
+        assert _inflight(g) <= cap
+    assert capped[0].counters["prefetch_capped"] > 0
+
+
+def _collapsed(graph: torch.fx.Graph) -> List[str]:
+    """Node targets, each scheduled transfer chain written as the blocking op it replaced."""
+    out = []
+    for n in graph.nodes:
+        if n.target in (LOAD, UPLOAD, GATHER, WAIT_REDUCE, WAIT_OFFLOAD):
+            continue
+        name = {WAIT_UPLOAD: str(FETCH_SHARD), WAIT_GATHER: str(ALL_GATHER), REDUCE: str(REDUCE_GRAD)}.get(
+            n.target, str(n.target) if n.op == "call_function" else n.op)
+        out.append(name)
+    return out
+
+
+@pytest.mark.parametrize("dp_options", [dict(offload_params="nvme", offload_optimizer="nvme"),
+                                        dict(tiles=3, tile_threshold_bytes=2_000)], ids=["nvme", "tiled"])
+def test_serial_depths_reproduce_the_unscheduled_order(dp_options, tmp_path):
+    *_, plain = _train({**dp_options, **UNSCHEDULED}, steps=1, tmp=tmp_path)
+    *_, serial = _train({**dp_options, **SERIAL}, steps=1, tmp=tmp_path)
+    for (s1, g1), (s2, g2) in zip(_graphs(plain), _graphs(serial)):
+        assert s1 == s2
+        assert _collapsed(g1) == _collapsed(g2), s1
+        # and each start sits with its wait (nothing in between but its own chain)
+        nodes = list(g2.nodes)
+        for i, n in enumerate(nodes):
+            if n.target in (WAIT_REDUCE,):
+                assert nodes[i - 1].target is REDUCE and nodes[i + 1].target is WAIT_OFFLOAD
+
+
+def test_dynamic_shapes_compile_once_and_match_eager():
+    torch._dynamo.reset()
+    cfg = GPTConfig(vocab=64, seq=32, layers=2, hidden=32, heads=2)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    ref = copy.deepcopy(model)
+    n0 = len(zinf_compile.compile_records())
+    cm = torch.compile(model, backend="zinf", dynamic=True, options={"compiler": "eager", "offload_params": "cpu"})
+    after_first = None
+    for seq in (8, 12, 20):
+        x, y = make_batch(GPTConfig(vocab=64, seq=seq, layers=2, hidden=32, heads=2), 2, seed=seq)
+        loss, rloss = cm(x, y), ref(x, y)
+        loss.backward()
+        rloss.backward()
+        assert loss.item() == rloss.item(), seq
+        zg = zinf_full_grads(model)
+        for name, p in ref.named_parameters():
+            assert torch.equal(zg[name], p.grad), (seq, name)
+        model.zero_grad()
+        ref.zero_grad()
+        if after_first is None:
+            after_first = len(zinf_compile.compile_records())
+    # one graph serves every length: nothing compiled after the first (whose compile Dynamo may
+    # restart once, to specialize a float: that retrace is part of the first compile)
+    assert len(zinf_compile.compile_records()) == after_first
+    assert zinf_compile.compile_records()[-1].counters["transfers_scheduled"] > 0
+    assert not zinf_compile.compile_records()[-1].counters["gather_all_fallback"]
+
+
+def test_trace_shows_transfers_under_compute(tmp_path):
+    path = tmp_path / "step.json"
+    _train({"offload_params": "nvme", "offload_optimizer": "nvme", "trace": str(path)}, steps=3, tmp=tmp_path)
+    events = json.loads(path.read_text())["traceEvents"]
+    lanes = {e["cat"] for e in events if e.get("ph") == "X"}
+    assert {"compute", "nvme_read", "h2d", "reduce_scatter", "d2h", "optimizer"} <= lanes, lanes
+    assert json.loads(path.read_text())["otherData"]["step"] == 1  # the second step, after compile
+    names = {e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"}
+    assert {"compute", "nvme_read", "nvme_write", "h2d", "d2h", "all_gather", "reduce_scatter", "optimizer"} <= names
+
+
+@pytest.mark.parity
+def test_dp2_scheduled_equals_serial(tmp_path):
+    serial = run_dp(tmp_path, {"compiler": "eager", "prefetch_depths": [0, 0, 0], "reduce_depths": [0, 0]})
+    (tmp_path / "b").mkdir()
+    sched = run_dp(tmp_path / "b", {"compiler": "eager"})
+    assert serial["losses"] == sched["losses"]
+    for k, v in serial["state"].items():
+        assert torch.equal(sched["state"][k], v), k
+    for k, v in serial["grads"].items():
+        assert torch.equal(sched["grads"][k], v), k
+    assert sched["counts"].get("forward:zinf.wait_gather.default", 0) > 0, sched["counts"]

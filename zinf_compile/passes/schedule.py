@@ -1,0 +1,261 @@
+"""The lookahead schedule: plan (tags) then rewrite each blocking transfer into a start and a wait.
+
+Runs on the forward, backward and inference graphs, after ``insert_release``. Counted in
+parameter-using operators (the first compute node reading a gathered parameter; an ``addmm``
+reading a weight and a bias is one operator), never in seconds, so the same graph serves every
+shape. With the default depths ``(nvme, upload, gather) = (3, 2, 1)`` and ``reduce_depths = (1, 2)``::
+
+    before:  s2 = fetch_shard(p2); w2 = all_gather(s2); mm(x, w2); release(w2)
+             g2 = ...; reduce_grad(g2, p2)
+    after:   t = load(p5)                      # NVMe read for operator i+3
+             u = upload(p4, t4)                # host -> device for operator i+2
+             s3 = wait_upload(u3); a = gather(s3)   # all-gather for operator i+1
+             w2 = wait_gather(a2, s2)          # operator i's own wait, right before its use
+             mm(x, w2); release(w2)
+             r = reduce(g2, p2) ... wait_reduce(r, g2) after the next gradient,
+             ... wait_offload after the one after that (the graph's end at the latest)
+
+``plan_schedule_pass`` only tags: each fetch node gets ``meta["zinf"]["schedule"] = {"op": k,
+"load_at", "upload_at", "gather_at"}`` (operator indices; negative: the graph's top) and each
+``reduce_grad`` node ``{"grad": j, "wait_at", "offload_at"}``. A prefetch that would push the bytes
+fetched ahead of their use over ``max_inflight_bytes`` (default with a ``device_memory_budget``:
+half of it) starts later, down to the serial schedule. ``schedule_pass`` acts on the tags: it
+replaces the nodes, gives every node a priority (its original position; a start the position of
+the operator it must precede), and orders the graph with a stable priority topological sort of its
+dependency graph (networkx), so data dependencies always win over priorities. Depths ``(0, 0, 0)``
+and ``(0, 0)`` give exactly the serial order (checked by tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import networkx as nx
+import torch
+import torch.fx
+
+from ..ops import ALL_GATHER, FETCH_SHARD, REDUCE_GRAD, is_zinf, tag
+from ..pipeline import CompileContext
+from ._graph import positions
+
+Z = torch.ops.zinf
+
+
+@dataclasses.dataclass
+class Chain:
+    """One fetch of one parameter: shard fetch, gather (dp > 1) and the operator that uses it."""
+
+    fetch: torch.fx.Node
+    gather: Optional[torch.fx.Node]  # None at dp = 1 (a view of the shard)
+    use: torch.fx.Node
+    uid: int
+    nbytes: int
+
+
+def _use_node(start: torch.fx.Node, pos: Dict[torch.fx.Node, int]) -> Optional[torch.fx.Node]:
+    """The first compute node reading ``start`` through views, casts and other parameter-derived
+    nodes (those are part of the fetch, not operators)."""
+    frontier, best = [start], None
+    seen = set()
+    while frontier:
+        n = frontier.pop()
+        for u in n.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            z = u.meta.get("zinf", {})
+            if u.op == "call_function" and (z.get("kind") in ("param_derived", "all_gather")
+                                            or u.target is torch.ops.aten.view.default and z):
+                frontier.append(u)
+            elif is_zinf(u) and z.get("kind") == "release":
+                continue
+            elif best is None or pos[u] < pos[best]:
+                best = u
+    return best
+
+
+def find_chains(graph: torch.fx.Graph) -> List[Chain]:
+    pos = positions(graph)
+    chains = []
+    for n in graph.nodes:
+        if not is_zinf(n, FETCH_SHARD):
+            continue
+        gather = next((u for u in n.users if is_zinf(u, ALL_GATHER)), None)
+        use = _use_node(gather or n, pos)
+        if use is None:
+            continue
+        val = n.meta.get("val")
+        nbytes = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+        if gather is not None and isinstance(gather.meta.get("val"), torch.Tensor):
+            nbytes = gather.meta["val"].numel() * gather.meta["val"].element_size()
+        chains.append(Chain(n, gather, use, n.args[1], nbytes))
+    return chains
+
+
+def _inflight_cap(ctx: CompileContext) -> Optional[int]:
+    cap = ctx.cfg.max_inflight_bytes
+    budget = ctx.cfg.device_memory_budget
+    if budget is not None:  # tiling sizes each operator's working memory to half the budget
+        cap = budget // 2 if cap is None else min(cap, budget // 2)
+    return cap
+
+
+def plan_schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
+                       ctx: CompileContext) -> torch.fx.GraphModule:
+    graph = gm.graph
+    pos = positions(graph)
+    chains = find_chains(graph)
+    uses = sorted({c.use for c in chains}, key=pos.__getitem__)
+    op_of = {u: k for k, u in enumerate(uses)}
+    nc, cg, gg = ctx.cfg.prefetch_depths
+    cap = _inflight_cap(ctx)
+    ahead = [0] * (len(uses) + 1)  # bytes fetched ahead of their use while operator j runs
+    for c in sorted(chains, key=lambda c: (op_of[c.use], pos[c.fetch])):
+        k = op_of[c.use]
+        depth = max(nc, cg, gg)
+        if cap is not None:  # shorten the lookahead until the bytes in flight fit under the cap
+            while depth > 0 and any(ahead[j] + c.nbytes > cap for j in range(max(k - depth, 0), k)):
+                depth -= 1
+        for j in range(max(k - depth, 0), k):
+            ahead[j] += c.nbytes
+        z = c.fetch.meta["zinf"]
+        z["schedule"] = {"op": k, "load_at": k - min(nc, depth), "upload_at": k - min(cg, depth),
+                         "gather_at": k - min(gg, depth), "bytes": c.nbytes}
+        if depth < max(nc, cg, gg):
+            ctx.record.counters["prefetch_capped"] += 1
+    reduces = [n for n in graph.nodes if is_zinf(n, REDUCE_GRAD)]
+    rd, od = ctx.cfg.reduce_depths
+    for j, n in enumerate(reduces):
+        n.meta["zinf"]["schedule"] = {"grad": j, "wait_at": j + rd, "offload_at": j + max(rd, od)}
+    ctx.record.counters["scheduled_operators"] += len(uses)
+    return gm
+
+
+def schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
+                  ctx: CompileContext) -> torch.fx.GraphModule:
+    graph = gm.graph
+    pos = positions(graph)
+    chains = [c for c in find_chains(graph) if "schedule" in c.fetch.meta["zinf"]]
+    reduces = [n for n in graph.nodes if is_zinf(n, REDUCE_GRAD) and "schedule" in n.meta["zinf"]]
+    if not chains and not reduces:
+        return gm
+    out = graph.find_nodes(op="output")[0]
+    uses = sorted({c.use for c in chains}, key=pos.__getitem__)
+    key: Dict[torch.fx.Node, Tuple[int, float, int]] = {}
+
+    def before_op(k: int, stage: int) -> Tuple[int, float, int]:
+        """Priority of a start that must run before operator ``k`` (k < 0: the graph's top)."""
+        if k < 0:
+            return (1, -1.0, stage)
+        return (1, pos[uses[k]] - 0.5, stage)
+
+    # NVMe-resident shards get a read of their own (tiles made by this compile have new uids: the
+    # option decides for them); a memory-tier shard given a load gets an empty ticket, and one
+    # missing a load is read at its upload, so a wrong guess costs time, never correctness
+    nvme = {info.uid for info in ctx.params.values() if info.tier == "nvme"}
+    nvme |= {uid for info in ctx.params.values() if info.tier == "nvme" for uid, _, _ in info.parts}
+    all_nvme = ctx.cfg.offload_params == "nvme"
+    for c in chains:
+        s = c.fetch.meta["zinf"]["schedule"]
+        ph, uid, n, dtype = c.fetch.args
+        z = dict(c.fetch.meta["zinf"])
+        with graph.inserting_before(c.fetch):
+            load = graph.call_function(Z.load.default, (ph, uid)) if all_nvme or uid in nvme else None
+            up = graph.call_function(Z.upload.default, (ph, uid, n, dtype, load))
+            shard = graph.call_function(Z.wait_upload.default, (up, ph, uid, n, dtype))
+        shard.meta.update({k: v for k, v in c.fetch.meta.items()})
+        c.fetch.replace_all_uses_with(shard)
+        graph.erase_node(c.fetch)
+        here = float(pos[c.fetch])
+        for node, kind, stage, at in ((load, "load_start", 0, s["load_at"]), (up, "upload_start", 1, s["upload_at"])):
+            if node is not None:
+                node.meta["val"] = torch.empty(1, dtype=torch.int64)
+                tag(node, kind, uid, param=z.get("param"), op=s["op"], at=at)
+                # no lookahead: where the blocking fetch was (the serial order, exactly)
+                key[node] = before_op(at, stage) if at < s["op"] else (1, here, stage)
+        if c.gather is None:
+            key[shard] = (1, here, 2)
+            continue
+        gz = dict(c.gather.meta["zinf"])
+        shape = c.gather.args[2]
+        with graph.inserting_before(c.gather):
+            start = graph.call_function(Z.gather.default, (shard, uid, shape))
+            full = graph.call_function(Z.wait_gather.default, (start, shard, uid, shape))
+        full.meta.update(c.gather.meta)
+        c.gather.replace_all_uses_with(full)
+        start.meta["val"] = torch.empty(1, dtype=torch.int64)
+        tag(start, "gather_start", uid, param=gz.get("param"), op=s["op"], at=s["gather_at"])
+        g_here = float(pos[c.gather])
+        k_start = before_op(s["gather_at"], 3) if s["gather_at"] < s["op"] else (1, g_here, 0)
+        key[start] = k_start
+        # the upload is waited for right before the gather starts (serial: where the fetch was)
+        key[shard] = (k_start[0], k_start[1], 2) if s["gather_at"] < s["op"] else (1, here, 2)
+        key[full] = (1, g_here, 1)
+        graph.erase_node(c.gather)
+
+    anchors = [pos[n] for n in reduces]
+    for n in reduces:
+        s = n.meta["zinf"]["schedule"]
+        g, param, uid = n.args
+        with graph.inserting_before(n):
+            red = graph.call_function(Z.reduce.default, (g, param, uid))
+            rw = graph.call_function(Z.wait_reduce.default, (red, g, param, uid))
+            ow = graph.call_function(Z.wait_offload.default, (rw, g, uid))
+        for node, kind in ((red, "reduce_start"), (rw, "reduce_wait"), (ow, "offload_wait")):
+            if node is not ow:
+                node.meta["val"] = torch.empty(1, dtype=torch.int64)
+            tag(node, kind, uid, param=n.meta["zinf"].get("param"), grad=s["grad"])
+        here = float(pos[n])
+        key[red] = (1, here, 0)
+        for node, at, stage in ((rw, s["wait_at"], 1), (ow, s["offload_at"], 2)):
+            if at == s["grad"]:
+                key[node] = (1, here, stage)  # serial: right after the reduce starts
+            elif at < len(anchors):
+                key[node] = (1, anchors[at] - 0.5, stage)  # after the later gradient is computed
+            else:
+                key[node] = (1, pos[out] - 0.5, stage)
+        graph.erase_node(n)
+
+    _reorder(graph, key, pos)
+    ctx.record.counters["transfers_scheduled"] += len(chains) + len(reduces)
+    return gm
+
+
+def _reorder(graph: torch.fx.Graph, key: Dict[torch.fx.Node, Tuple[int, float, int]],
+             pos: Dict[torch.fx.Node, int]) -> None:
+    """Order ``graph`` by a stable priority topological sort: the smallest-priority ready node
+    first. Old nodes keep their relative order (their priorities are their positions, a valid
+    topological order); nodes with side effects are chained so they never pass each other."""
+    dag = nx.DiGraph()
+    nodes = list(graph.nodes)
+    prio: Dict[torch.fx.Node, Tuple[int, float, int]] = {}
+    for n in nodes:
+        if n.op == "placeholder":
+            prio[n] = (0, float(pos[n]), 0)
+        elif n.op == "output":
+            prio[n] = (2, 0.0, 0)
+        else:
+            prio[n] = key.get(n, (1, float(pos.get(n, -1)), 0))
+        dag.add_node(n)
+        for i in n.all_input_nodes:
+            dag.add_edge(i, n)
+    last_effect = None
+    for n in nodes:
+        if n.op == "call_function" and n in pos and _has_effect(n):
+            if last_effect is not None:
+                dag.add_edge(last_effect, n)
+            last_effect = n
+    index = {n: i for i, n in enumerate(nodes)}
+    order = list(nx.lexicographical_topological_sort(dag, key=lambda n: (prio[n], index[n])))
+    out = order[-1]
+    assert out.op == "output", "the output node must come last"
+    for n in order:
+        if n.op not in ("placeholder", "output"):
+            out.prepend(n)
+
+
+def _has_effect(n: torch.fx.Node) -> bool:
+    """Mutating ops (releases, in-place updates, the offload waits) keep their relative order."""
+    schema = getattr(n.target, "_schema", None)
+    return schema is not None and schema.is_mutable
