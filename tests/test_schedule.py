@@ -238,3 +238,11 @@ def test_dp2_scheduled_equals_serial(tmp_path):
     for k, v in serial["grads"].items():
         assert torch.equal(sched["grads"][k], v), k
     assert sched["counts"].get("forward:zinf.wait_gather.default", 0) > 0, sched["counts"]
+
+
+def test_schedule_options_are_checked():
+    for bad in ({"prefetch_depths": (1, 2)}, {"prefetch_depths": (-1, 0, 0)}, {"reduce_depths": (1,)},
+                {"max_inflight_bytes": -1}, {"bucket_bytes": 1 << 20}, {"trace": 3}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            zinf_compile.Config(**bad)
+    assert zinf_compile.Config(prefetch_depths=[0, 0, 0]).prefetch_depths == (0, 0, 0)

@@ -75,8 +75,8 @@ class Config:
         the reduce-scatter of a gradient, and its offload (device->host, NVMe write), are waited for.
     max_inflight_bytes: cap on the bytes of parameters fetched ahead of their use at any point of a
         graph (None: no cap); a prefetch that would exceed it starts later.
-    bucket_bytes: dp > 1: parameters of at most this many bytes that are gathered at the same point
-        share one all-gather collective (0: one collective per parameter).
+    bucket_bytes: reserved for coalescing the all-gathers of small parameters into one collective;
+        not implemented yet, so only 0 (one collective per parameter) is accepted.
     trace: a path: write a Chrome/Perfetto trace (JSON) of the transfers and compute of each step
         there (``zinf_runtime.transfer``).
     """
@@ -152,6 +152,10 @@ class Config:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"zinf option {key!r}: invalid value {value!r}; expected an int of bytes >= 0"
                                  + (" or None" if key == "max_inflight_bytes" else ""))
+        if self.bucket_bytes:
+            raise ValueError(f"zinf option 'bucket_bytes': {self.bucket_bytes!r} asks for coalesced all-gathers, "
+                             "which zinf does not implement yet (one collective per parameter, started ahead "
+                             "of its use by the schedule); leave it 0")
         if self.trace is not None and not isinstance(self.trace, (str, os.PathLike)):
             raise ValueError(f"zinf option 'trace': expected a file path, got {self.trace!r}")
         mmap_max = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
