@@ -430,3 +430,4 @@ def optimizer_step_done(optimizer: Any, t0: float) -> None:
     for eng in engines:
         eng.tracer.span("optimizer", type(optimizer).__name__, t0, t1)
         eng.tracer.step_done()
+        eng._last_exit = 0.0  # the time until the next zinf op is the loop's, not the graph's compute
