@@ -307,6 +307,7 @@ def _upload(h: Any, eng: TransferEngine, dtype: torch.dtype, loaded: Optional[to
         side.wait_stream(cur)  # ``out`` was allocated on the current stream: its memory may be in use there
         with torch.cuda.stream(side):
             h.upload(dtype, host, out=out)
+            out.record_stream(side)  # freed on the current stream: the allocator waits for the copy too
             ev = torch.cuda.Event()
             ev.record(side)
 
