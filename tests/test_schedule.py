@@ -246,3 +246,47 @@ def test_schedule_options_are_checked():
         with pytest.raises(ValueError, match=next(iter(bad))):
             zinf_compile.Config(**bad)
     assert zinf_compile.Config(prefetch_depths=[0, 0, 0]).prefetch_depths == (0, 0, 0)
+
+
+def test_a_graph_that_raises_midway_leaves_no_transfer_pending(tmp_path):
+    """A forward that raises between a start and its wait: the next call waits for and drops the
+    stale transfers first, and then trains exactly as a model that never failed."""
+    import zinf_runtime
+    import zinf_runtime.ops as rops
+    from zinf_runtime import transfer
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    ref = copy.deepcopy(model)
+    cm = torch.compile(model, backend="zinf", options={"compiler": "eager", "offload_params": "nvme",
+                                                        "nvme_path": str(tmp_path)})
+    x, y = make_batch(CFG, 2, seed=0)
+    cm(x, y).backward()  # compile
+    model.zero_grad()
+    real, calls = transfer.op_wait_upload, [0]
+
+    def flaky(*a):
+        calls[0] += 1
+        if calls[0] == 5:
+            raise OSError("simulated read failure")
+        return real(*a)
+
+    rops._lib.impl("wait_upload", flaky, "CompositeExplicitAutograd", allow_override=True)
+    try:
+        with pytest.raises(OSError, match="simulated"):
+            cm(x, y)
+        engines = {id(h.context.transfers): h.context.transfers
+                   for h in (zinf_runtime.handle_of(p) for p in model.parameters()) if h}
+        assert any(e.in_flight for e in engines.values())  # the prefetches started before the failure
+    finally:
+        rops._lib.impl("wait_upload", real, "CompositeExplicitAutograd", allow_override=True)
+    loss = cm(x, y)
+    loss.backward()
+    assert all(not e.in_flight for e in engines.values())
+    rloss = ref(x, y)
+    rloss.backward()
+    assert loss.item() == rloss.item()
+    zg = zinf_full_grads(model)
+    for name, p in ref.named_parameters():
+        assert torch.equal(zg[name], p.grad), name

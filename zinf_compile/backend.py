@@ -202,7 +202,27 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: Conf
     # ranks must agree on the graph and on how it runs (rewritten or gather-all: other collectives)
     how = "gather-all fallback" if record.counters.get("gather_all_fallback") else "rewritten"
     compiled = rendezvous.guard(compiled, params, cfg.resolved_group(), f"{record.name} ({how})", record=record)
+    compiled = _drop_stale_transfers(compiled, guarded)
     return fallback.guard_other_instances(compiled, params, example_inputs)
+
+
+def _drop_stale_transfers(compiled: Callable, params: List[Any]) -> Callable:
+    """Every transfer a graph starts is waited for in that graph, so none is pending when a graph
+    starts, unless an earlier one raised between a start and its wait: those are waited for and
+    dropped first (their buffers would otherwise stay referenced)."""
+    engines = [c.transfers for c in zinf_runtime.contexts_of(params)]
+    if not engines:
+        return compiled
+
+    def call(*args: Any) -> Any:
+        for eng in engines:
+            if eng.in_flight:
+                eng.abandon()
+        return compiled(*args)
+
+    if getattr(compiled, "_boxed_call", False):
+        call._boxed_call = True  # type: ignore[attr-defined]
+    return call
 
 
 def _start_trace(cfg: Config, params: List[Any]) -> None:
