@@ -18,7 +18,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -256,7 +256,8 @@ class ParamHandle:
         return out
 
     def upload(self, dtype: torch.dtype, host: Optional[torch.Tensor] = None,
-               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+               out: Optional[torch.Tensor] = None,
+               give_back: Optional[Callable[[torch.Tensor, hostsync.Fence], None]] = None) -> torch.Tensor:
         """Copy this rank's shard to the compute device, casting to ``dtype``: from ``host`` (a
         pooled buffer ``load_host`` filled; handed back to the pool here) or the memory-tier slot.
 
@@ -269,6 +270,8 @@ class ParamHandle:
         refresh of the parameter copy, or freeing the slot waits for the read first. A pooled NVMe
         read buffer is waited for before it goes back to the pool, where the next read would
         overwrite it. ``out`` is only used on the current stream, after the copy, by stream order.
+        ``give_back(host, fence)``, if given, takes over returning the pooled buffer (a caller that
+        must not block on the copy here, e.g. a side-stream upload, returns it at its wait).
         """
         slot = self.param_copy or self._whole()
         if out is None:
@@ -294,7 +297,7 @@ class ParamHandle:
             return out
         finally:
             if pooled:
-                pool.release(host, fence)
+                (give_back or pool.release)(host, fence)
 
     def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
         """The full parameter from every rank's shard; accounted as gathered bytes until released."""

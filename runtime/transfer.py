@@ -305,8 +305,9 @@ def _upload(h: Any, eng: TransferEngine, dtype: torch.dtype, loaded: Optional[to
         cur = torch.cuda.current_stream(out.device)
         side = eng.side_stream(out.device)
         side.wait_stream(cur)  # ``out`` was allocated on the current stream: its memory may be in use there
+        pooled: List[Tuple[torch.Tensor, Any]] = []  # the NVMe read buffer, returned at the wait
         with torch.cuda.stream(side):
-            h.upload(dtype, host, out=out)
+            h.upload(dtype, host, out=out, give_back=lambda buf, fence: pooled.append((buf, fence)))
             out.record_stream(side)  # freed on the current stream: the allocator waits for the copy too
             ev = torch.cuda.Event()
             ev.record(side)
@@ -315,6 +316,8 @@ def _upload(h: Any, eng: TransferEngine, dtype: torch.dtype, loaded: Optional[to
             c = torch.cuda.current_stream(out.device)
             c.wait_event(ev)
             out.record_stream(c)
+            for buf, fence in pooled:  # the fence waits for the copy reading it before it is reused
+                h.context.pool.release(buf, fence)
             return out
 
         return eng.start(Ticket("h2d", h.name, nbytes, ready, keep=(out,)))
