@@ -180,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     zinf.add_argument("--mixed-precision", default=None, choices=["bf16", "fp16"])
     zinf.add_argument("--dump-dir", default=None,
                       help="write every graph after every pass, and the memory plan, here (zinf inspect DIR)")
+    zinf.add_argument("--trace", default=None, metavar="PATH",
+                      help="write a Chrome/Perfetto trace of the second step here (compute, NVMe, copies, "
+                           "collectives, optimizer lanes; open in ui.perfetto.dev)")
+    zinf.add_argument("--prefetch-depths", default=None, metavar="NC,CG,GG",
+                      help="lookahead of the NVMe read, upload and all-gather in operators (default 3,2,1; "
+                           "0,0,0 = serial)")
     return ap
 
 
@@ -209,7 +215,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                                "nvme_path": nvme_path, "device_memory_budget": budget, "tiles": args.tiles,
                                **({"tile_threshold_bytes": 0} if args.tiles is not None else {}),
                                "compiler": args.compiler, "mixed_precision": args.mixed_precision,
-                               "dump_dir": args.dump_dir}
+                               "dump_dir": args.dump_dir, "trace": args.trace}
+    if args.prefetch_depths:
+        options["prefetch_depths"] = tuple(int(v) for v in args.prefetch_depths.split(","))
     try:
         cmodel = torch.compile(model, backend="zinf", options=options)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)

@@ -75,15 +75,20 @@ def test_node_explains_pass_and_reason(dump, capsys):
     z = rel.meta["zinf"]
     assert "inserted by  pass insert_release (forward)" in out
     assert f"release of blocks.0.fc.weight (uid {z['uid']}) after its last reader {z['after']}" in out
-    # a fetch in the backward: inserted in the joint graph, carried over by the partitioner
-    fetch = next(n for n in rec.final_modules["backward"].graph.nodes
-                 if n.meta.get("zinf", {}).get("kind") == "fetch_shard")
-    text = explain_node(load(d), fetch.name, stage="backward")
+    # a fetch in the backward: inserted in the joint graph, carried over by the partitioner (as the
+    # graph stood before the schedule pass split it into a start and a wait)
+    pre = next(sn for sn in rec.graphs("backward") if sn.pass_name == "insert_release")
+    fetch = next(z["node"] for z in pre.zinf_nodes if z["kind"] == "fetch_shard")
+    text = explain_node(load(d), fetch, stage="backward")
     assert "pass insert_fetch (joint)" in text and "partitioner carried it into the backward" in text
     assert "own 1/dp shard" in text
-    red = next(n for n in rec.final_modules["backward"].graph.nodes
-               if n.meta.get("zinf", {}).get("kind") == "reduce_grad")
-    assert "inserted by  pass reduce_grad (backward)" in explain_node(load(d), red.name, stage="backward")
+    red = next(z["node"] for z in pre.zinf_nodes if z["kind"] == "reduce_grad")
+    assert "inserted by  pass reduce_grad (backward)" in explain_node(load(d), red, stage="backward")
+    # and its scheduled form: the wait that replaced it, inserted by the schedule pass
+    wait = next(n for n in rec.final_modules["backward"].graph.nodes
+                if n.meta.get("zinf", {}).get("kind") == "fetch_shard")
+    assert wait.target is torch.ops.zinf.wait_upload.default
+    assert "inserted by  pass schedule (backward)" in explain_node(load(d), wait.name, stage="backward")
     plain = explain_node(load(d), "addmm", stage="forward")
     assert "not a zinf node" in plain and "AOTAutograd's trace" in plain
     with pytest.raises(ValueError, match="did you mean"):
@@ -112,7 +117,8 @@ def test_torch_logs_alias_routes_pass_timings(caplog):
             lg.propagate = propagate
     msgs = [r.getMessage() for r in caplog.records if r.name == "zinf_compile"]
     assert any("pass insert_release took" in m for m in msgs), msgs
-    assert any("forward: 2 passes in" in m and "+2 zinf.release.default" in m for m in msgs), msgs
+    assert any("forward: 4 passes in" in m and "+2 zinf.release.default" in m and "+2 zinf.wait_upload.default" in m
+               for m in msgs), msgs
 
 
 def test_torch_logs_env_and_structured_trace(tmp_path):

@@ -18,8 +18,9 @@ shape. With the default depths ``(nvme, upload, gather) = (3, 2, 1)`` and ``redu
 ``plan_schedule_pass`` only tags: each fetch node gets ``meta["zinf"]["schedule"] = {"op": k,
 "load_at", "upload_at", "gather_at"}`` (operator indices; negative: the graph's top) and each
 ``reduce_grad`` node ``{"grad": j, "wait_at", "offload_at"}``. A prefetch that would push the bytes
-fetched ahead of their use over ``max_inflight_bytes`` (default with a ``device_memory_budget``:
-half of it) starts later, down to the serial schedule. ``schedule_pass`` acts on the tags: it
+fetched ahead of their use over ``max_inflight_bytes`` starts later, down to the serial schedule.
+With a ``device_memory_budget`` (planned for the serial schedule) and no ``max_inflight_bytes``,
+only NVMe -> host reads run ahead (host memory); with both, the cap is at most half the budget. ``schedule_pass`` acts on the tags: it
 replaces the nodes, gives every node a priority (its original position; a start the position of
 the operator it must precede), and orders the graph with a stable priority topological sort of its
 dependency graph (networkx), so data dependencies always win over priorities. Depths ``(0, 0, 0)``
@@ -109,12 +110,20 @@ def plan_schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
     uses = sorted({c.use for c in chains}, key=pos.__getitem__)
     op_of = {u: k for k, u in enumerate(uses)}
     nc, cg, gg = ctx.cfg.prefetch_depths
+    rd, od = ctx.cfg.reduce_depths
+    if ctx.cfg.device_memory_budget is not None and ctx.cfg.max_inflight_bytes is None:
+        # the budget was planned for the serial schedule (plan_tiling sizes each operator's working
+        # memory to it, and parameters live across operators, a tied embedding, count too): only
+        # the NVMe -> host reads, which cost host memory, run ahead; device-side transfers and
+        # gradient lifetimes stay serial unless max_inflight_bytes says how much more may be live
+        cg = gg = rd = od = 0
+        ctx.record.counters["schedule_serial_on_device_for_budget"] += 1
     cap = _inflight_cap(ctx)
     ahead = [0] * (len(uses) + 1)  # bytes fetched ahead of their use while operator j runs
     for c in sorted(chains, key=lambda c: (op_of[c.use], pos[c.fetch])):
         k = op_of[c.use]
         depth = max(nc, cg, gg)
-        if cap is not None:  # shorten the lookahead until the bytes in flight fit under the cap
+        if cap is not None and (cg or gg):  # shorten the lookahead until the bytes in flight fit under the cap
             while depth > 0 and any(ahead[j] + c.nbytes > cap for j in range(max(k - depth, 0), k)):
                 depth -= 1
         for j in range(max(k - depth, 0), k):
@@ -125,7 +134,6 @@ def plan_schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
         if depth < max(nc, cg, gg):
             ctx.record.counters["prefetch_capped"] += 1
     reduces = [n for n in graph.nodes if is_zinf(n, REDUCE_GRAD)]
-    rd, od = ctx.cfg.reduce_depths
     for j, n in enumerate(reduces):
         n.meta["zinf"]["schedule"] = {"grad": j, "wait_at": j + rd, "offload_at": j + max(rd, od)}
     ctx.record.counters["scheduled_operators"] += len(uses)
