@@ -227,8 +227,8 @@ def test_trace_shows_transfers_under_compute(tmp_path):
     assert {"compute", "nvme_read", "nvme_write", "h2d", "d2h", "all_gather", "reduce_scatter", "optimizer"} <= names
 
 
-@pytest.mark.parity
 def test_dp2_scheduled_equals_serial(tmp_path):
+    # zinf against zinf, bitwise: no rounding to vary, so not rerun with ATEN_CPU_CAPABILITY=default
     serial = run_dp(tmp_path, {"compiler": "eager", "prefetch_depths": [0, 0, 0], "reduce_depths": [0, 0]})
     (tmp_path / "b").mkdir()
     sched = run_dp(tmp_path / "b", {"compiler": "eager"})
