@@ -3,7 +3,8 @@
 Why: a checkpoint is worth taking often only if it runs near the disk's speed. The model's sharded
 state (fp32 masters + AdamW moments, >= 2 GiB) is saved to and loaded from a directory next to the
 swap folder, and the disk is measured on the same filesystem, in the same run, doing the same kind of
-IO, before and after the checkpoint (this disk is bursty: both figures are printed):
+IO. The disk is bursty, so each of ``--repeat`` saves and loads is paired with a disk measurement taken
+right before it, and the median of the pairs' ratios is the figure (every pair is in the JSON):
 
 * disk write: ``--chunk-mib`` buffered writes of as many bytes as the checkpoint holds, then ``fsync``
   (``save`` fsyncs every file too), timed to the end of the fsync;
@@ -25,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from typing import Dict, List
@@ -98,6 +100,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--width", type=int, default=4096)
     ap.add_argument("--chunk-mib", type=int, default=16)
+    ap.add_argument("--repeat", type=int, default=3, help="save/load pairs, each after its own disk measurement")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="zinf_ckbw_", dir=args.dir)
@@ -117,30 +120,38 @@ def main() -> None:
         opt.zero_grad()
         step_s = time.perf_counter() - t
         state_bytes = 3 * 4 * sum(p.numel() for p in model.parameters())  # master + exp_avg + exp_avg_sq
-        ck = os.path.join(root, "ck")
-        before = disk(root, state_bytes, args.chunk_mib << 20)
-        t = time.perf_counter()
-        zinf_compile.save(ck, cmodel, opt)
-        save_s = time.perf_counter() - t
-        files = files_under(ck)
-        ck_bytes = sum(os.path.getsize(f) for f in files)
-        evict(files)
-        t = time.perf_counter()
-        zinf_compile.load(ck, cmodel, opt)
-        load_s = time.perf_counter() - t
-        after = disk(root, state_bytes, args.chunk_mib << 20)
-        best = {k: max(before[k], after[k]) for k in before}
+        # this disk is bursty: each save and each load is paired with a disk measurement right before it,
+        # and the ratio of each pair is reported (median over --repeat pairs, every pair kept in the JSON)
+        pairs = []
+        for r in range(args.repeat):
+            ck = os.path.join(root, f"ck{r}")
+            disk_w = disk(root, state_bytes, args.chunk_mib << 20)
+            t = time.perf_counter()
+            zinf_compile.save(ck, cmodel, opt)
+            save_s = time.perf_counter() - t
+            files = files_under(ck)
+            ck_bytes = sum(os.path.getsize(f) for f in files)
+            disk_r = disk(root, state_bytes, args.chunk_mib << 20)
+            evict(files)
+            t = time.perf_counter()
+            zinf_compile.load(ck, cmodel, opt)
+            load_s = time.perf_counter() - t
+            pair = {"save_s": save_s, "save_GBps": ck_bytes / save_s / 1e9, "load_s": load_s,
+                    "load_GBps": ck_bytes / load_s / 1e9, "disk_before_save": disk_w, "disk_before_load": disk_r,
+                    "save_vs_disk_write": ck_bytes / save_s / 1e9 / disk_w["write_GBps"],
+                    "load_vs_disk_read": ck_bytes / load_s / 1e9 / disk_r["read_GBps"]}
+            if args.tier == "nvme":
+                pair["save_vs_disk_copy"] = ck_bytes / save_s / 1e9 / disk_w["copy_GBps"]
+                pair["load_vs_disk_copy"] = ck_bytes / load_s / 1e9 / disk_r["copy_GBps"]
+            pairs.append(pair)
+            shutil.rmtree(ck, ignore_errors=True)
+        ratios = [k for k in pairs[0] if "_vs_" in k]
         out = {
             "tier": args.tier, "params": sum(p.numel() for p in model.parameters()),
             "state_GiB": state_bytes / 2**30, "checkpoint_GiB": ck_bytes / 2**30, "first_step_s": step_s,
-            "save_s": save_s, "save_GBps": ck_bytes / save_s / 1e9, "load_s": load_s, "load_GBps": ck_bytes / load_s / 1e9,
-            "disk_before": before, "disk_after": after,
-            "save_vs_disk_write": ck_bytes / save_s / 1e9 / best["write_GBps"],
-            "load_vs_disk_read": ck_bytes / load_s / 1e9 / best["read_GBps"],
+            "repeat": args.repeat, "pairs": pairs,
+            **{f"median_{k}": statistics.median(pr[k] for pr in pairs) for k in ["save_GBps", "load_GBps", *ratios]},
         }
-        if args.tier == "nvme":
-            out["save_vs_disk_copy"] = ck_bytes / save_s / 1e9 / best["copy_GBps"]
-            out["load_vs_disk_copy"] = ck_bytes / load_s / 1e9 / best["copy_GBps"]
         print(json.dumps(out, indent=1))
         if args.json:
             with open(args.json, "w") as f:

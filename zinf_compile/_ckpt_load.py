@@ -168,6 +168,34 @@ def load_into(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]
     return extra
 
 
+def _staging(numel: int, n: int) -> torch.Tensor:
+    """A buffer DCP fills in ``[:n]``; only the padding past this rank's range is zeroed (zeroing all of it
+    first was a second pass over every loaded byte)."""
+    t = torch.empty(numel, dtype=torch.float32)
+    t[n:].zero_()
+    return t
+
+
+def _held_state(optimizer: Optional[torch.optim.Optimizer], p: torch.nn.Parameter, i: int, units: int) -> dict:
+    """The memory-tier state the optimizer holds now for unit ``i`` of ``p`` (empty before its first step)."""
+    st = optimizer.state.get(p, {}) if optimizer is not None else {}
+    if units > 1:
+        tiles = st.get("tiles")
+        return tiles[i] if isinstance(tiles, list) and len(tiles) == units else {}
+    return st
+
+
+def _reuse(held: Any, numel: int, n: int) -> torch.Tensor:
+    """Load a moment into the tensor the optimizer holds for it when it has the shard's layout: no second
+    copy of the state in memory during the load, and the bytes land in pages already mapped (a read into
+    fresh pages ran at about half the disk's speed here). Like the master, it is overwritten in place."""
+    if (torch.is_tensor(held) and held.device.type == "cpu" and held.dtype == torch.float32
+            and held.numel() == numel and held.dim() == 1 and held.is_contiguous()):
+        held[n:].zero_()
+        return held
+    return _staging(numel, n)
+
+
 def _load_group(group: List[Tuple[str, torch.nn.Parameter, ParamHandle]], optimizer: Optional[torch.optim.Optimizer],
                 in_optim: set, names: Dict[str, List[str]], meta: dict, run: Callable, bar: Any, size: int) -> int:
     """Read one sub-group's ranges, then hand each master and state to its tier."""
@@ -179,14 +207,15 @@ def _load_group(group: List[Tuple[str, torch.nn.Parameter, ParamHandle]], optimi
             key, numel, base = unit_key(fqn, h, i)
             lo, n = owned(u)
             nvme = u.master.tier == "nvme"
-            master = torch.zeros(u.shard_numel, dtype=torch.float32) if nvme else u.master.resident()
+            master = _staging(u.shard_numel, n) if nvme else u.master.resident()
             if not nvme:
                 master[n:].zero_()
             targets.append(Target(f"model/{key}", numel, base + lo, master[:n]))
             st = {}
             if id(p) in in_optim:
+                held = {} if nvme else _held_state(optimizer, p, i, len(h.units()))
                 for name in names.get(key, []):
-                    st[name] = torch.zeros(u.shard_numel, dtype=torch.float32)
+                    st[name] = _reuse(held.get(name), u.shard_numel, n)
                     targets.append(Target(f"optim/{key}/{name}", numel, base + lo, st[name][:n]))
             per_unit.append((u, master, st))
         staged.append((fqn, p, h, per_unit))

@@ -32,10 +32,11 @@ from typing import Any, Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ._ckpt_load import load_into
+from ._ckpt_reader import FastReader
 from ._ckpt_state import build_save_state, unwrap
 
 FORMAT_VERSION = 1
@@ -216,12 +217,19 @@ def load(path: "str | os.PathLike", model: torch.nn.Module, optimizer: Optional[
     if found is None:
         raise CheckpointError(f"zinf: no complete checkpoint at {path} (a {path}.tmp left by an interrupted "
                               "save is never loaded)", errno.ENOENT)
-    reader_factory = lambda: FileSystemReader(found)  # noqa: E731 - one reader per DCP call
+    reader_factory = lambda: FastReader(found)  # noqa: E731 - one reader per DCP call
 
     def run(state: Dict[str, Any], planner: Any) -> None:
         ctx = _quiet_dcp()
         try:
             dcp.load(state, storage_reader=reader_factory(), planner=planner)
+        except CheckpointException as exc:  # every rank raises; the root cause is named
+            root = _root_oserror(exc)
+            if root is None:
+                raise
+            err, rank = root
+            on = f" on rank {rank}" if rank is not None else ""
+            raise CheckpointError(f"zinf: loading checkpoint {found} failed{on}: {err}", err.errno) from exc
         finally:
             ctx.__exit__(None, None, None)
 
