@@ -5,6 +5,8 @@ Run directly (dp = 1) or under torchrun (dp = WORLD_SIZE, gloo). ``argv[1]`` is 
     tier, nvme_path       offload_params = offload_optimizer = tier ("cpu"/"nvme"), nvme swap folder
     optim                 "adamw" or "sgd"
     start, stop           train steps start..stop-1 (batch of step s: make_batch(cfg, global_batch, seed=s))
+    accum                 micro-batches per rank and step (default 1), each backward of loss / accum: dp=1
+                          with accum=2 replays dp=2's arithmetic exactly (see tests/test_checkpoint.py)
     load                  checkpoint to load right after building the optimizer, before any call
     save_after_load       save here right after loading (a reshard check: no training in between)
     save                  save here after training; ``fault`` makes this save fail:
@@ -82,18 +84,21 @@ def main() -> None:
         zinf_compile.load(job["load"], cmodel, opt)
     if job.get("save_after_load"):
         zinf_compile.save(job["save_after_load"], cmodel, opt)
-    gb = job.get("global_batch", 8)
-    per = gb // world
+    gb, accum = job.get("global_batch", 8), job.get("accum", 1)
+    per = gb // (world * accum)
     for step in range(job["start"], job["stop"]):
         x, y = make_batch(cfg, gb, seed=step)
-        loss = cmodel(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
-        loss.backward()
+        t = torch.zeros(())
+        for i in range(accum):  # rank r takes micro-batches r*accum .. r*accum+accum-1
+            m = rank * accum + i
+            loss = cmodel(x[m * per:(m + 1) * per], y[m * per:(m + 1) * per])
+            (loss / accum if accum > 1 else loss).backward()
+            t = t + loss.detach()
         opt.step()
         opt.zero_grad()
-        t = loss.detach().clone()
         if world > 1:
             dist.all_reduce(t)
-        result["losses"].append(t.item() / world)
+        result["losses"].append(t.item() / (world * accum))
     result["params"] = zinf_compile.full_state_dict(model)
     if job.get("save"):
         if job.get("fault"):
