@@ -3,8 +3,9 @@
 Why: a checkpoint is worth taking often only if it runs near the disk's speed. The model's sharded
 state (fp32 masters + AdamW moments, >= 2 GiB) is saved to and loaded from a directory next to the
 swap folder, and the disk is measured on the same filesystem, in the same run, doing the same kind of
-IO. The disk is bursty, so each of ``--repeat`` saves and loads is paired with a disk measurement taken
-right before it, and the median of the pairs' ratios is the figure (every pair is in the JSON):
+IO. The disk is bursty, so the disk is measured between every two calls, each of ``--repeat`` saves and
+loads is set against the mean of the measurements just before and just after it, and the median of
+those ratios is the figure (every pair is in the JSON):
 
 * disk write: ``--chunk-mib`` buffered writes of as many bytes as the checkpoint holds, then ``fsync``
   (``save`` fsyncs every file too), timed to the end of the fsync;
@@ -50,8 +51,8 @@ def files_under(d: str) -> List[str]:
     return [os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs]
 
 
-def disk(root: str, nbytes: int, chunk: int) -> Dict[str, float]:
-    """Sequential write+fsync, read after eviction, and read-while-writing (copy), in GB/s."""
+def disk(root: str, nbytes: int, chunk: int, copy: bool = True) -> Dict[str, float]:
+    """Sequential write+fsync, read after eviction, and read-while-writing (copy, if asked), in GB/s."""
     buf = os.urandom(chunk)
     a, b = os.path.join(root, "disk_a"), os.path.join(root, "disk_b")
     n = -(-nbytes // chunk)
@@ -67,6 +68,9 @@ def disk(root: str, nbytes: int, chunk: int) -> Dict[str, float]:
         while f.read(chunk):
             pass
     read = n * chunk / (time.perf_counter() - t)
+    if not copy:
+        os.remove(a)
+        return {"write_GBps": write / 1e9, "read_GBps": read / 1e9}
     evict([a])
     t = time.perf_counter()
     with open(a, "rb", buffering=0) as src, open(b, "wb", buffering=0) as dst:
@@ -100,7 +104,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--width", type=int, default=4096)
     ap.add_argument("--chunk-mib", type=int, default=16)
-    ap.add_argument("--repeat", type=int, default=3, help="save/load pairs, each after its own disk measurement")
+    ap.add_argument("--repeat", type=int, default=3, help="save/load pairs, each between two disk measurements")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="zinf_ckbw_", dir=args.dir)
@@ -123,21 +127,25 @@ def main() -> None:
         # this disk is bursty: each save and each load is paired with a disk measurement right before it,
         # and the ratio of each pair is reported (median over --repeat pairs, every pair kept in the JSON)
         pairs = []
+        measure = lambda: disk(root, state_bytes, args.chunk_mib << 20, copy=args.tier == "nvme")  # noqa: E731
+        d0 = measure()
         for r in range(args.repeat):
             ck = os.path.join(root, f"ck{r}")
-            disk_w = disk(root, state_bytes, args.chunk_mib << 20)
             t = time.perf_counter()
             zinf_compile.save(ck, cmodel, opt)
             save_s = time.perf_counter() - t
             files = files_under(ck)
             ck_bytes = sum(os.path.getsize(f) for f in files)
-            disk_r = disk(root, state_bytes, args.chunk_mib << 20)
+            d1 = measure()
             evict(files)
             t = time.perf_counter()
             zinf_compile.load(ck, cmodel, opt)
             load_s = time.perf_counter() - t
+            d2 = measure()
+            disk_w = {k: (d0[k] + d1[k]) / 2 for k in d0}  # the disk around the save
+            disk_r = {k: (d1[k] + d2[k]) / 2 for k in d1}  # and around the load
             pair = {"save_s": save_s, "save_GBps": ck_bytes / save_s / 1e9, "load_s": load_s,
-                    "load_GBps": ck_bytes / load_s / 1e9, "disk_before_save": disk_w, "disk_before_load": disk_r,
+                    "load_GBps": ck_bytes / load_s / 1e9, "disk_around_save": disk_w, "disk_around_load": disk_r,
                     "save_vs_disk_write": ck_bytes / save_s / 1e9 / disk_w["write_GBps"],
                     "load_vs_disk_read": ck_bytes / load_s / 1e9 / disk_r["read_GBps"]}
             if args.tier == "nvme":
@@ -145,6 +153,7 @@ def main() -> None:
                 pair["load_vs_disk_copy"] = ck_bytes / load_s / 1e9 / disk_r["copy_GBps"]
             pairs.append(pair)
             shutil.rmtree(ck, ignore_errors=True)
+            d0 = d2
         ratios = [k for k in pairs[0] if "_vs_" in k]
         out = {
             "tier": args.tier, "params": sum(p.numel() for p in model.parameters()),
