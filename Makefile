@@ -36,7 +36,7 @@ $(VENV)/.zinf-bench-setup: $(VENV)/.zinf-setup
 demo: setup
 	$(BIN)/python examples/train_gpt.py
 
-PYTEST := $(BIN)/python -m pytest -p no:cacheprovider -rfEs
+PYTEST := $(BIN)/python -m pytest -p no:cacheprovider -rfEs --durations=30
 
 # Both runs always run; the target fails if either failed. The second run repeats the parity tests
 # (marked `parity`) with ATEN_CPU_CAPABILITY=default: other kernels, other rounding, same verdicts.

@@ -195,3 +195,21 @@ def test_tiled_weight_used_whole_in_a_later_graph():
         torch.testing.assert_close(full[k], v)
     with zinf_compile.gathered(model):
         torch.testing.assert_close(model.layers[0].weight, ref.layers[0].weight)
+
+
+def test_the_store_is_re_laid_by_the_backend_not_by_the_pass(monkeypatch):
+    """tile_matmul only rewrites the graph: without the backend's relayout step between plan_tiling and
+    it, it finds the weight whole and the graph falls back (with a warning naming why), untiled."""
+    import zinf_compile.backend as backend
+    import zinf_runtime
+
+    calls = []
+    monkeypatch.setattr(backend, "relayout_tiles", lambda gm: calls.append(gm))
+    torch.manual_seed(0)
+    model = MLP((16, 8, 64))
+    cmodel = torch.compile(model, backend="zinf",
+                           options={"compiler": "eager", "tiles": 4, "tile_threshold_bytes": 1000})
+    with pytest.warns(UserWarning, match="gather-all fallback.*not re-laid as planned"):
+        cmodel(torch.randn(6, 16)).sum().backward()
+    assert len(calls) == 1
+    assert all(zinf_runtime.handle_of(p).tiles is None for p in model.parameters())

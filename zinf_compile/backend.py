@@ -4,11 +4,12 @@ One call per Dynamo graph. It partitions the graph's parameters into the runtime
 keeps a 1/dp fp32 shard; the parameter keeps its shape with 0-byte storage, so Dynamo needs no
 patching), then traces forward and backward with AOTAutograd and runs zinf's passes::
 
-    Dynamo graph --autocast, plan_tiling, tile_matmul--> AOTAutograd joint graph
+    Dynamo graph --autocast, plan_tiling, [relayout_tiles: the store re-lays tiled weights],
+        tile_matmul--> AOTAutograd joint graph
         --insert_fetch, mark_grads--> min-cut partition
-        forward:   sink_fetch -> insert_release                  -> Inductor (or eager)
-        backward:  sink_fetch -> reduce_grad -> insert_release   -> Inductor (or eager)
-        inference: insert_fetch -> sink_fetch -> insert_release  -> Inductor (or eager)
+        forward:   sink_fetch -> insert_release -> plan_schedule -> schedule                 -> Inductor (or eager)
+        backward:  sink_fetch -> reduce_grad -> insert_release -> plan_schedule -> schedule   -> Inductor (or eager)
+        inference: insert_fetch -> sink_fetch -> insert_release -> plan_schedule -> schedule  -> Inductor (or eager)
 
 Every intermediate graph is kept in a ``CompileRecord`` (``zinf_compile.last_graphs()``) and, with
 ``dump_dir``, written out as code.
@@ -121,6 +122,16 @@ def _check_dtypes(gm: torch.fx.GraphModule, example_inputs: List[Any]) -> None:
                 "(model.float(), or bf16/fp16 via options={'mixed_precision': ...}), or keep it out of the "
                 "compiled model."
             )
+
+
+def relayout_tiles(gm: torch.fx.GraphModule) -> None:
+    """The partition step of tiling: re-lay each weight ``plan_tiling`` tagged as its tiles' units in the
+    store (collective when dp > 1), between the planning pass and ``tile_matmul``, which then only
+    rewrites the graph. Passes neither mutate the store nor run collectives."""
+    for node in gm.graph.nodes:
+        plan = node.meta.get("zinf", {}) if node.op == "placeholder" else {}
+        if plan.get("kind") == "tile_plan":
+            zinf_runtime.store.get(plan["uid"]).split_into_tiles(plan["bounds"], plan["dim"])
 
 
 def _partition_inputs(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: Config) -> dict[int, ParamInfo]:
@@ -253,7 +264,12 @@ def _compile_partitioned(gm: torch.fx.GraphModule, example_inputs: List[Any], cf
                          params: dict[int, ParamInfo], record: Any, device_type: str) -> Callable:
     ctx = CompileContext(cfg, params, record, device_type)
     gm = _torch_compat.detach_dynamo_graph(gm)
-    gm = run_passes(gm, example_inputs, DYNAMO_PASSES, ctx=ctx, stage="dynamo")
+    names = [n for n, _ in DYNAMO_PASSES]
+    cut = names.index("plan_tiling") + 1 if "plan_tiling" in names else 0
+    gm = run_passes(gm, example_inputs, DYNAMO_PASSES[:cut], ctx=ctx, stage="dynamo")
+    if "tile_matmul" not in cfg.disabled_passes:
+        relayout_tiles(gm)
+    gm = run_passes(gm, example_inputs, DYNAMO_PASSES[cut:], ctx=ctx, stage="dynamo")
     inputs = example_inputs + [_torch_compat.static_fake_like(t, example_inputs) for t in ctx.extra_inputs]
     record.counters["graph_inputs"] = len(inputs)
     compiled = (_compile_eager if cfg.compiler == "eager" else _compile_inductor)(gm, inputs, ctx)

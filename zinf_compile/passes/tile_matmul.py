@@ -1,8 +1,10 @@
 """Rewrite each tagged matmul into a loop over weight tiles, each tile its own partitioned input.
 
-Runs on the Dynamo graph after ``plan_tiling``; a no-op without its tags. The weight is re-partitioned
-in the runtime as T units (``ParamHandle.split_into_tiles``), and each unit becomes a graph input of
-its own (a 0-byte tensor of the tile's shape), so AOTAutograd gives every tile its own gradient::
+Runs on the Dynamo graph after ``plan_tiling``; a no-op without its tags. Between the two, the
+backend's partition step (``backend.relayout_tiles``) re-lays the weight in the store as T units
+(``ParamHandle.split_into_tiles``, collective when dp > 1); this pass only rewrites the graph: each
+unit becomes a graph input of its own (a 0-byte tensor of the tile's shape), so AOTAutograd gives
+every tile its own gradient::
 
     before: y = linear(x, W, b)                              # W: [out, in], one unit
     after:  y = cat([linear(x, W_0, b[0:r1]),                # W_i: [r_{i+1} - r_i, in], unit i
@@ -56,7 +58,11 @@ def tile_matmul_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     for idx, w in plans:
         plan = w.meta["zinf"]
         handle = zinf_runtime.store.get(plan["uid"])
-        tiles = handle.split_into_tiles(plan["bounds"], plan["dim"])
+        tiles = handle.tiles
+        if tiles is None or (handle.tile_dim, handle.tile_bounds) != (plan["dim"], tuple(map(tuple, plan["bounds"]))):
+            raise RuntimeError(f"zinf: tile_matmul found {plan['param']} not re-laid as planned (tiles along "
+                               f"dim {plan['dim']} at {plan['bounds']}); the backend's relayout_tiles step "
+                               "must run between plan_tiling and tile_matmul")
         tile_nodes: List[torch.fx.Node] = []
         for k, (th, tensor) in enumerate(zip(tiles, handle.tile_inputs())):
             with graph.inserting_after(last):
