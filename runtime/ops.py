@@ -26,6 +26,7 @@ Scheduled graphs split each transfer into a start returning a ticket and a wait 
     shard = zinf.wait_upload(t, p, uid, n, dtype)
     t = zinf.gather(shard, uid, shape); full = zinf.wait_gather(t, shard, uid, shape)  # dp > 1
     t = zinf.reduce(g, p, uid); t = zinf.wait_reduce(t, g, p, uid); zinf.wait_offload(t, g, uid)
+    ts = zinf.gather_bucket([s1, s2], [u1, u2])         # bucket_bytes: one all-gather, a ticket each
 
 A wait takes the tensors its transfer reads (``shard``, ``g``) as arguments: that keeps them live in
 the graph until the transfer is done, so no compiler reuses their memory for a later result.
@@ -43,7 +44,7 @@ from typing import Sequence
 
 import torch
 
-from . import store, transfer
+from . import bucket, store, transfer
 
 _lib = torch.library.Library("zinf", "DEF")
 _lib.define("fetch_shard(Tensor param, int uid, int shard_numel, ScalarType dtype) -> Tensor")
@@ -59,6 +60,7 @@ _lib.define("wait_gather(Tensor ticket, Tensor shard, int uid, SymInt[] shape) -
 _lib.define("reduce(Tensor grad, Tensor param, int uid) -> Tensor")
 _lib.define("wait_reduce(Tensor ticket, Tensor grad, Tensor param, int uid) -> Tensor")
 _lib.define("wait_offload(Tensor(a!) ticket, Tensor grad, int uid) -> ()")
+_lib.define("gather_bucket(Tensor[] shards, int[] uids) -> Tensor[]")
 
 
 def _fetch_shard(param: torch.Tensor, uid: int, shard_numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -93,6 +95,7 @@ for _name, _fn in (
     ("reduce", transfer.op_reduce),
     ("wait_reduce", transfer.op_wait_reduce),
     ("wait_offload", transfer.op_wait_offload),
+    ("gather_bucket", bucket.op_gather_bucket),
     ("fetch_shard", _fetch_shard),
     ("all_gather", _all_gather),
     ("release", _release),
@@ -133,6 +136,9 @@ def _ticket_fake(*args: object) -> torch.Tensor:
 
 for _name in ("load", "upload", "gather", "reduce", "wait_reduce"):
     torch.library.register_fake(f"zinf::{_name}")(_ticket_fake)
+
+
+torch.library.register_fake("zinf::gather_bucket")(bucket.gather_bucket_fake)
 
 
 @torch.library.register_fake("zinf::wait_upload")

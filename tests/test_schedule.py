@@ -227,7 +227,7 @@ def test_trace_shows_transfers_under_compute(tmp_path):
     assert {"compute", "nvme_read", "nvme_write", "h2d", "d2h", "all_gather", "reduce_scatter", "optimizer"} <= names
 
 
-def test_dp2_scheduled_equals_serial(tmp_path):
+def test_dp2_scheduled_and_bucketed_equal_serial(tmp_path):
     # zinf against zinf, bitwise: no rounding to vary, so not rerun with ATEN_CPU_CAPABILITY=default
     serial = run_dp(tmp_path, {"compiler": "eager", "prefetch_depths": [0, 0, 0], "reduce_depths": [0, 0]})
     (tmp_path / "b").mkdir()
@@ -238,11 +238,26 @@ def test_dp2_scheduled_equals_serial(tmp_path):
     for k, v in serial["grads"].items():
         assert torch.equal(sched["grads"][k], v), k
     assert sched["counts"].get("forward:zinf.wait_gather.default", 0) > 0, sched["counts"]
+    # bucket_bytes: the same bytes gathered by fewer collectives, so the same numbers, bitwise
+    (tmp_path / "c").mkdir()
+    bucketed = run_dp(tmp_path / "c", {"compiler": "eager", "bucket_bytes": 1 << 20})
+    assert bucketed["losses"] == serial["losses"]
+    for k, v in serial["state"].items():
+        assert torch.equal(bucketed["state"][k], v), k
+    for k, v in serial["grads"].items():
+        assert torch.equal(bucketed["grads"][k], v), k
+    for stage in ("forward", "backward"):
+        n_buckets = bucketed["counts"].get(f"{stage}:zinf.gather_bucket.default", 0)
+        singles = bucketed["counts"].get(f"{stage}:zinf.gather.default", 0)
+        waits = bucketed["counts"].get(f"{stage}:zinf.wait_gather.default", 0)
+        assert n_buckets > 0 and singles + n_buckets < waits, (stage, bucketed["counts"])
+        assert waits == sched["counts"][f"{stage}:zinf.wait_gather.default"]
 
 
 def test_schedule_options_are_checked():
     for bad in ({"prefetch_depths": (1, 2)}, {"prefetch_depths": (-1, 0, 0)}, {"reduce_depths": (1,)},
-                {"max_inflight_bytes": -1}, {"bucket_bytes": 1 << 20}, {"trace": 3}):
+                {"max_inflight_bytes": -1}, {"bucket_bytes": -1}, {"bucket_bytes": 10, "max_inflight_bytes": 5},
+                {"trace": 3}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             zinf_compile.Config(**bad)
     assert zinf_compile.Config(prefetch_depths=[0, 0, 0]).prefetch_depths == (0, 0, 0)

@@ -75,8 +75,9 @@ class Config:
         the reduce-scatter of a gradient, and its offload (device->host, NVMe write), are waited for.
     max_inflight_bytes: cap on the bytes of parameters fetched ahead of their use at any point of a
         graph (None: no cap); a prefetch that would exceed it starts later.
-    bucket_bytes: reserved for coalescing the all-gathers of small parameters into one collective;
-        not implemented yet, so only 0 (one collective per parameter) is accepted.
+    bucket_bytes: coalesce the all-gathers of consecutive small parameters (dp > 1) into one collective
+        of at most this many gathered bytes (0: one collective per parameter). Gradients are still
+        reduce-scattered one by one.
     trace: a path: write a Chrome/Perfetto trace (JSON) of the transfers and compute of each step
         there (``zinf_runtime.transfer``).
     """
@@ -152,10 +153,10 @@ class Config:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"zinf option {key!r}: invalid value {value!r}; expected an int of bytes >= 0"
                                  + (" or None" if key == "max_inflight_bytes" else ""))
-        if self.bucket_bytes:
-            raise ValueError(f"zinf option 'bucket_bytes': {self.bucket_bytes!r} asks for coalesced all-gathers, "
-                             "which zinf does not implement yet (one collective per parameter, started ahead "
-                             "of its use by the schedule); leave it 0")
+        if self.bucket_bytes and self.max_inflight_bytes is not None and self.bucket_bytes > self.max_inflight_bytes:
+            raise ValueError(f"zinf option 'bucket_bytes': {self.bucket_bytes!r} is over max_inflight_bytes "
+                             f"({self.max_inflight_bytes!r}); a bucket's members are all in flight at once, so "
+                             "make it at most the cap")
         if self.trace is not None and not isinstance(self.trace, (str, os.PathLike)):
             raise ValueError(f"zinf option 'trace': expected a file path, got {self.trace!r}")
         mmap_max = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit

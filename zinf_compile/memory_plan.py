@@ -289,7 +289,8 @@ class _Builder:
                     role = "tangent" if n.name.startswith("tangents") else "input"
                     add(_Val(key, n.name, first, end, end_node, role, self._bytes(val), node=n))
                 continue
-            if n.op not in ("call_function", "get_attr", "call_module") or n.target in TICKET_OPS:
+            if n.op not in ("call_function", "get_attr", "call_module") or n.target in TICKET_OPS or (
+                    n.target is operator.getitem and getattr(n.args[0], "target", None) in TICKET_OPS):
                 continue  # tickets are one-element CPU tensors, not memory worth planning
             end, end_node = last_use(n)
             if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node):

@@ -28,7 +28,8 @@ WAIT_GATHER = torch.ops.zinf.wait_gather.default
 REDUCE = torch.ops.zinf.reduce.default
 WAIT_REDUCE = torch.ops.zinf.wait_reduce.default
 WAIT_OFFLOAD = torch.ops.zinf.wait_offload.default
-TICKET_OPS = (LOAD, UPLOAD, GATHER, REDUCE, WAIT_REDUCE)  # their results are tickets, not data
+GATHER_BUCKET = torch.ops.zinf.gather_bucket.default  # a list of tickets, one per parameter
+TICKET_OPS = (LOAD, UPLOAD, GATHER, REDUCE, WAIT_REDUCE, GATHER_BUCKET)  # their results are tickets, not data
 WAIT_OPS = (WAIT_UPLOAD, WAIT_GATHER, WAIT_REDUCE, WAIT_OFFLOAD)
 
 ZINF_OPS = (FETCH_SHARD, ALL_GATHER, RELEASE, REDUCE_GRAD, GRAD_OF) + TICKET_OPS + (WAIT_UPLOAD, WAIT_GATHER,

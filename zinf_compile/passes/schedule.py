@@ -25,11 +25,18 @@ replaces the nodes, gives every node a priority (its original position; a start 
 the operator it must precede), and orders the graph with a stable priority topological sort of its
 dependency graph (networkx), so data dependencies always win over priorities. Depths ``(0, 0, 0)``
 and ``(0, 0)`` give exactly the serial order (checked by tests).
+
+With ``bucket_bytes``, runs of consecutive small gathers (operator order) become one
+``zinf.gather_bucket`` (``zinf_runtime.bucket``), started where the run's first gather would start;
+each member keeps its ticket and its ``wait_gather``. Off under a ``device_memory_budget`` without
+``max_inflight_bytes`` (a bucket fetches its later members early); under a cap, a bucket holds at
+most the cap. The reduce-scatters are not bucketed (yet): one collective per gradient.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import networkx as nx
@@ -133,11 +140,50 @@ def plan_schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
                          "gather_at": k - min(gg, depth), "bytes": c.nbytes}
         if depth < max(nc, cg, gg):
             ctx.record.counters["prefetch_capped"] += 1
+    if ctx.cfg.bucket_bytes:
+        if ctx.cfg.device_memory_budget is not None and ctx.cfg.max_inflight_bytes is None:
+            ctx.record.counters["buckets_off_for_budget"] += 1  # a bucket fetches its members early
+        else:
+            limit = ctx.cfg.bucket_bytes if cap is None else min(ctx.cfg.bucket_bytes, cap)
+            _plan_buckets(sorted(chains, key=lambda c: (op_of[c.use], pos[c.fetch])), limit, ctx)
     reduces = [n for n in graph.nodes if is_zinf(n, REDUCE_GRAD)]
     for j, n in enumerate(reduces):
         n.meta["zinf"]["schedule"] = {"grad": j, "wait_at": j + rd, "offload_at": j + max(rd, od)}
     ctx.record.counters["scheduled_operators"] += len(uses)
     return gm
+
+
+def _plan_buckets(chains: List[Chain], limit: int, ctx: CompileContext) -> None:
+    """Tag runs of consecutive small gathers (operator order, one dtype, at most ``limit`` gathered
+    bytes together) as buckets: the bucket's gather starts where its first member's would, and every
+    member's load and upload no later. The members' bytes are in flight from that start on."""
+    run: List[Chain] = []
+    size, count = 0, 0
+
+    def close() -> None:
+        nonlocal run, size, count
+        if len(run) > 1:
+            at = min(c.fetch.meta["zinf"]["schedule"]["gather_at"] for c in run)
+            for i, c in enumerate(run):
+                z = c.fetch.meta["zinf"]["schedule"]
+                z.update(bucket=count, bucket_index=i, gather_at=at, upload_at=min(z["upload_at"], at),
+                         load_at=min(z["load_at"], at))
+            count += 1
+            ctx.record.counters["gather_buckets"] += 1
+            ctx.record.counters["bucketed_gathers"] += len(run)
+        run, size = [], 0
+
+    for c in chains:
+        val = c.gather.meta.get("val") if c.gather is not None else None
+        if not isinstance(val, torch.Tensor) or c.nbytes > limit:
+            close()
+            continue
+        if run and (size + c.nbytes > limit or val.dtype != run[0].gather.meta["val"].dtype
+                    or c.uid in {r.uid for r in run}):
+            close()
+        run.append(c)
+        size += c.nbytes
+    close()
 
 
 def schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
@@ -164,6 +210,7 @@ def schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     nvme = {info.uid for info in ctx.params.values() if info.tier == "nvme"}
     nvme |= {uid for info in ctx.params.values() if info.tier == "nvme" for uid, _, _ in info.parts}
     all_nvme = ctx.cfg.offload_params == "nvme"
+    buckets: Dict[int, List[Tuple[Chain, torch.fx.Node, Optional[torch.fx.Node], torch.fx.Node]]] = {}
     for c in chains:
         s = c.fetch.meta["zinf"]["schedule"]
         ph, uid, n, dtype = c.fetch.args
@@ -185,6 +232,9 @@ def schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         if c.gather is None:
             key[shard] = (1, here, 2)
             continue
+        if "bucket" in s:
+            buckets.setdefault(s["bucket"], []).append((c, shard, load, up))
+            continue
         gz = dict(c.gather.meta["zinf"])
         shape = c.gather.args[2]
         with graph.inserting_before(c.gather):
@@ -201,6 +251,9 @@ def schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         key[shard] = (k_start[0], k_start[1], 2) if s["gather_at"] < s["op"] else (1, here, 2)
         key[full] = (1, g_here, 1)
         graph.erase_node(c.gather)
+
+    for members in buckets.values():
+        _rewrite_bucket(graph, members, key, pos, before_op)
 
     anchors = [pos[n] for n in reduces]
     for n in reduces:
@@ -228,6 +281,36 @@ def schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     _reorder(graph, key, pos)
     ctx.record.counters["transfers_scheduled"] += len(chains) + len(reduces)
     return gm
+
+
+def _rewrite_bucket(graph: torch.fx.Graph, members: List[Tuple[Chain, torch.fx.Node, Optional[torch.fx.Node], torch.fx.Node]],
+                    key: Dict[torch.fx.Node, Tuple[int, float, int]], pos: Dict[torch.fx.Node, int],
+                    before_op: Any) -> None:
+    """One ``gather_bucket`` for the members' gathers; each member keeps its own ticket and wait."""
+    members = sorted(members, key=lambda m: m[0].fetch.meta["zinf"]["schedule"]["bucket_index"])
+    first = members[0][0]
+    s0 = first.fetch.meta["zinf"]["schedule"]
+    with graph.inserting_before(first.gather):
+        start = graph.call_function(Z.gather_bucket.default, ([m[1] for m in members], [m[0].uid for m in members]))
+    start.meta["val"] = [torch.empty(1, dtype=torch.int64) for _ in members]
+    tag(start, "gather_bucket_start", first.uid, params=[m[0].gather.meta["zinf"].get("param") for m in members],
+        op=s0["op"], at=s0["gather_at"])
+    k_start = before_op(s0["gather_at"], 3) if s0["gather_at"] < s0["op"] else (1, float(pos[first.gather]), 0)
+    key[start] = k_start
+    for i, (c, shard, load, up) in enumerate(members):
+        for node, stage in ((load, 0), (up, 1), (shard, 2)):  # every member's shard is in before the start
+            if node is not None:
+                key[node] = min(key.get(node, (1, float("inf"), stage)), (k_start[0], k_start[1] - 0.25, stage))
+        shape = c.gather.args[2]
+        with graph.inserting_before(c.gather):
+            ticket = graph.call_function(operator.getitem, (start, i))
+            full = graph.call_function(Z.wait_gather.default, (ticket, shard, c.uid, shape))
+        ticket.meta["val"] = torch.empty(1, dtype=torch.int64)
+        full.meta.update(c.gather.meta)
+        c.gather.replace_all_uses_with(full)
+        key[ticket] = (k_start[0], k_start[1], k_start[2] + 0.5)
+        key[full] = (1, float(pos[c.gather]), 1)
+        graph.erase_node(c.gather)
 
 
 def _reorder(graph: torch.fx.Graph, key: Dict[torch.fx.Node, Tuple[int, float, int]],
