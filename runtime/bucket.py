@@ -1,4 +1,5 @@
-"""Coalesced all-gathers: the shards of several small parameters gathered by one collective.
+"""Coalesced collectives: the shards of several small parameters gathered, or their gradients
+reduce-scattered, by one collective.
 
 Why: one gloo or NCCL call per parameter is latency-bound for small parameters (biases, norms),
 which DeepSpeed and FSDP2 answer with buckets. With ``bucket_bytes`` the schedule pass replaces the
@@ -15,6 +16,9 @@ the first wait of any member (one copy, as FSDP2's copy-out; the values are the 
 per-parameter gather, so numerics are unchanged). On CUDA, ``work.wait()`` orders the current
 stream after the collective before the copy-out, and every buffer the collective reads or writes is
 kept alive by the tickets until their waits.
+
+In backward, ``zinf.reduce_bucket([g1, g2], [p1, p2], [u1, u2])`` starts one reduce-scatter once the
+last member's gradient exists; each member's ``wait_reduce``/``wait_offload`` stay its own.
 """
 
 from __future__ import annotations
@@ -74,6 +78,73 @@ def op_gather_bucket(shards: List[torch.Tensor], uids: List[int]) -> List[torch.
         return tickets
     finally:
         eng.leave()
+
+
+def op_reduce_bucket(grads: List[torch.Tensor], params: List[torch.Tensor], uids: List[int]) -> List[torch.Tensor]:
+    """One reduce-scatter for the gradients of several small parameters, started once the last of them
+    is computed. Rank r's chunk of the packed input is every member's rank-r part, side by side, so each
+    element of each shard is summed over the same ranks in the same chunk as alone. Each member's ticket
+    is waited by its own ``wait_reduce``, which returns what ``transfer.op_reduce``'s ticket returns."""
+    handles = [store.resolve(p, u) for p, u in zip(params, uids)]
+    if not handles or len(handles) != len(grads):
+        raise RuntimeError(f"zinf.reduce_bucket: {len(grads)} gradients for {len(handles)} parameters")
+    first = handles[0]
+    eng = first.context.transfers
+    eng.enter()
+    try:
+        tickets: List[Optional[torch.Tensor]] = [None] * len(handles)
+        members = []
+        for i, (h, g) in enumerate(zip(handles, grads)):
+            if h.tiles is not None or h.world == 1 or h.placement.group is not first.placement.group:
+                h.reduce_grad(g)  # tiled by another compile (or not dp-partitioned like the rest): alone, now
+                tickets[i] = eng.done("reduce_scatter", h.name)
+            else:
+                members.append(i)
+        if members:
+            world = handles[members[0]].world
+            sizes = [handles[i].shard_numel for i in members]
+            total = sum(sizes)
+            device = grads[members[0]].device
+            pack = torch.empty(world, total, dtype=torch.float32, device=device)
+            buffers = []
+            off = 0
+            for i, n in zip(members, sizes):
+                h, g = handles[i], grads[i]
+                h._begin_grad()
+                buffer = h.context.accounting.gradient_buffer(_nb(g), h.name)
+                buffer.__enter__()  # the full gradient is live until its shard is offloaded
+                buffers.append(buffer)
+                flat = g.detach().reshape(-1).to(torch.float32)
+                if h.padded_numel != h.numel:
+                    flat = torch.nn.functional.pad(flat, (0, h.padded_numel - h.numel))
+                pack[:, off:off + n].copy_(flat.view(world, n))
+                off += n
+            out = torch.empty(total, dtype=torch.float32, device=device)
+            work = comm.reduce_scatter_flat(out, pack.view(-1), first.placement.group, async_op=True)
+            eng.counters["reduce_scatter_bucket"] = eng.counters.get("reduce_scatter_bucket", 0) + 1
+            done: Dict[str, bool] = {"waited": False}
+            offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+
+            def reduced(k: int) -> tuple:
+                if not done["waited"]:
+                    if work is not None:
+                        work.wait()
+                    out.div_(world)
+                    done["waited"] = True
+                i = members[k]
+                # a tensor of its own: the slot may keep it, and must not pin or alias the bucket
+                return handles[i], out[offsets[k]:offsets[k] + sizes[k]].clone(), buffers[k]
+
+            for k, i in enumerate(members):
+                tickets[i] = eng.start(Ticket("reduce_scatter", handles[i].name, _nb(grads[i]),
+                                              (lambda k=k: reduced(k)), keep=(grads[i], pack, out)))
+        return tickets  # type: ignore[return-value]
+    finally:
+        eng.leave()
+
+
+def reduce_bucket_fake(grads: List[torch.Tensor], params: List[torch.Tensor], uids: List[int]) -> List[torch.Tensor]:
+    return [torch.empty((1,), dtype=torch.int64, device="cpu") for _ in uids]
 
 
 def gather_bucket_fake(shards: List[torch.Tensor], uids: List[int]) -> List[torch.Tensor]:

@@ -27,6 +27,7 @@ Scheduled graphs split each transfer into a start returning a ticket and a wait 
     t = zinf.gather(shard, uid, shape); full = zinf.wait_gather(t, shard, uid, shape)  # dp > 1
     t = zinf.reduce(g, p, uid); t = zinf.wait_reduce(t, g, p, uid); zinf.wait_offload(t, g, uid)
     ts = zinf.gather_bucket([s1, s2], [u1, u2])         # bucket_bytes: one all-gather, a ticket each
+    ts = zinf.reduce_bucket([g1, g2], [p1, p2], [u1, u2])  # and one reduce-scatter
 
 A wait takes the tensors its transfer reads (``shard``, ``g``) as arguments: that keeps them live in
 the graph until the transfer is done, so no compiler reuses their memory for a later result.
@@ -61,6 +62,7 @@ _lib.define("reduce(Tensor grad, Tensor param, int uid) -> Tensor")
 _lib.define("wait_reduce(Tensor ticket, Tensor grad, Tensor param, int uid) -> Tensor")
 _lib.define("wait_offload(Tensor(a!) ticket, Tensor grad, int uid) -> ()")
 _lib.define("gather_bucket(Tensor[] shards, int[] uids) -> Tensor[]")
+_lib.define("reduce_bucket(Tensor[] grads, Tensor[] params, int[] uids) -> Tensor[]")
 
 
 def _fetch_shard(param: torch.Tensor, uid: int, shard_numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -96,6 +98,7 @@ for _name, _fn in (
     ("wait_reduce", transfer.op_wait_reduce),
     ("wait_offload", transfer.op_wait_offload),
     ("gather_bucket", bucket.op_gather_bucket),
+    ("reduce_bucket", bucket.op_reduce_bucket),
     ("fetch_shard", _fetch_shard),
     ("all_gather", _all_gather),
     ("release", _release),
@@ -139,6 +142,7 @@ for _name in ("load", "upload", "gather", "reduce", "wait_reduce"):
 
 
 torch.library.register_fake("zinf::gather_bucket")(bucket.gather_bucket_fake)
+torch.library.register_fake("zinf::reduce_bucket")(bucket.reduce_bucket_fake)
 
 
 @torch.library.register_fake("zinf::wait_upload")

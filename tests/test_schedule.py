@@ -252,6 +252,11 @@ def test_dp2_scheduled_and_bucketed_equal_serial(tmp_path):
         waits = bucketed["counts"].get(f"{stage}:zinf.wait_gather.default", 0)
         assert n_buckets > 0 and singles + n_buckets < waits, (stage, bucketed["counts"])
         assert waits == sched["counts"][f"{stage}:zinf.wait_gather.default"]
+    reduce_buckets = bucketed["counts"].get("backward:zinf.reduce_bucket.default", 0)
+    single_reduces = bucketed["counts"].get("backward:zinf.reduce.default", 0)
+    reduce_waits = bucketed["counts"]["backward:zinf.wait_reduce.default"]
+    assert reduce_buckets > 0 and reduce_buckets + single_reduces < reduce_waits, bucketed["counts"]
+    assert reduce_waits == sched["counts"]["backward:zinf.wait_reduce.default"]
 
 
 def test_schedule_options_are_checked():

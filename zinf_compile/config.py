@@ -76,8 +76,8 @@ class Config:
     max_inflight_bytes: cap on the bytes of parameters fetched ahead of their use at any point of a
         graph (None: no cap); a prefetch that would exceed it starts later.
     bucket_bytes: coalesce the all-gathers of consecutive small parameters (dp > 1) into one collective
-        of at most this many gathered bytes (0: one collective per parameter). Gradients are still
-        reduce-scattered one by one.
+        of at most this many gathered bytes, and their gradients' reduce-scatters likewise (0: one
+        collective per parameter).
     trace: a path: write a Chrome/Perfetto trace (JSON) of the transfers and compute of each step
         there (``zinf_runtime.transfer``).
     """

@@ -95,7 +95,7 @@ from zinf_runtime.swap import ALIGN as SWAP_ALIGN
 
 from .analytic import human_bytes
 from .config import Config
-from .ops import FETCH_SHARD, REDUCE, REDUCE_GRAD, RELEASE, TICKET_OPS, WAIT_GATHER, WAIT_UPLOAD
+from .ops import FETCH_SHARD, REDUCE, REDUCE_BUCKET, REDUCE_GRAD, RELEASE, TICKET_OPS, WAIT_GATHER, WAIT_UPLOAD
 from .pipeline import CompileRecord, compile_records
 
 Bytes = Union[int, sympy.Expr]
@@ -358,6 +358,12 @@ class _Builder:
         otier = tiers[rec.config.offload_optimizer]  # fp32 master, gradient shard, optimizer state
         for n in nodes:
             z = n.meta.get("zinf") or {}
+            if n.op == "call_function" and n.target is REDUCE_BUCKET:  # one reduce-scatter, several gradients
+                for g, u, name in zip(n.args[0], n.args[2], z.get("params") or [None] * len(n.args[2])):
+                    hb = _handle(u)
+                    self._grad_intervals(stage, n, g, u, name, hb, hb.shard_numel if hb is not None else None,
+                                         otier, pos)
+                continue
             if n.op != "call_function" or n.target not in (FETCH_SHARD, WAIT_UPLOAD, REDUCE_GRAD, REDUCE):
                 continue
             fetch = n.target in (FETCH_SHARD, WAIT_UPLOAD)
@@ -394,29 +400,33 @@ class _Builder:
                     self._once(("copy", uid, dtype), Interval(f"{stage}:{n.name}", tier, "param", "compute_copy",
                                                               nb, pos[n], self.END, "end", (), param))
                 continue
-            grad = n.args[0]
-            if shard_numel is None:
-                shard_numel = _expr(grad.meta["val"].numel()) if "val" in grad.meta else 0
-            self._once(("grad", uid), Interval(f"{stage}:{n.name}", otier, "grad", "shard", 4 * shard_numel,
-                                               pos[n], self.END, "end", (), param))
-            if otier == "nvme":  # the asynchronous write's source: a host copy of the shard, live until written
-                self._once(("wbuf", uid), Interval(f"{stage}:{n.name}", "cpu", "staging", "write_buffer",
-                                                   4 * shard_numel, pos[n], self.END, "end", (), param))
-            per_el, per_param = self.optim
-            if per_el and otier != "nvme":
-                self._once(("optim", uid), Interval(f"optim:{param}", otier, "optim", "shard",
-                                                    per_el * shard_numel + per_param, 0, self.END, "end", (), param))
-            elif per_el:  # on NVMe: one file per fp32 moment; Adam's ``step`` stays in memory (optim_small)
-                for m in range(per_el // 4):
-                    self._once(("optim", uid, m), Interval(f"optim:{param}", otier, "optim", "shard",
-                                                           4 * shard_numel, 0, self.END, "end", (), param))
-                if per_param:
-                    self._once(("optim_small", uid), Interval(f"optim:{param}", "cpu", "optim", "scalar",
-                                                              per_param, 0, self.END, "end", (), param))
-            copy_bytes = self._reduce_copy_bytes(grad.meta.get("val"), h)
-            if copy_bytes:
-                self.extra.append(Interval(f"{stage}:{n.name}", "device", "grad_buffer", "reduce_copy", copy_bytes,
-                                           pos[n], pos[n], f"{stage}:{n.name}", (), param))
+            self._grad_intervals(stage, n, n.args[0], uid, param, h, shard_numel, otier, pos)
+
+    def _grad_intervals(self, stage: str, n: torch.fx.Node, grad: torch.fx.Node, uid: int, param: Optional[str],
+                        h: Any, shard_numel: Optional[int], otier: str, pos: Dict[torch.fx.Node, int]) -> None:
+        """A reduced gradient's shard, NVMe write buffer, optimizer state and reduce copy."""
+        if shard_numel is None:
+            shard_numel = _expr(grad.meta["val"].numel()) if "val" in grad.meta else 0
+        self._once(("grad", uid), Interval(f"{stage}:{n.name}", otier, "grad", "shard", 4 * shard_numel,
+                                           pos[n], self.END, "end", (), param))
+        if otier == "nvme":  # the asynchronous write's source: a host copy of the shard, live until written
+            self._once(("wbuf", uid), Interval(f"{stage}:{n.name}", "cpu", "staging", "write_buffer",
+                                               4 * shard_numel, pos[n], self.END, "end", (), param))
+        per_el, per_param = self.optim
+        if per_el and otier != "nvme":
+            self._once(("optim", uid), Interval(f"optim:{param}", otier, "optim", "shard",
+                                                per_el * shard_numel + per_param, 0, self.END, "end", (), param))
+        elif per_el:  # on NVMe: one file per fp32 moment; Adam's ``step`` stays in memory (optim_small)
+            for m in range(per_el // 4):
+                self._once(("optim", uid, m), Interval(f"optim:{param}", otier, "optim", "shard",
+                                                       4 * shard_numel, 0, self.END, "end", (), param))
+            if per_param:
+                self._once(("optim_small", uid), Interval(f"optim:{param}", "cpu", "optim", "scalar",
+                                                          per_param, 0, self.END, "end", (), param))
+        copy_bytes = self._reduce_copy_bytes(grad.meta.get("val"), h)
+        if copy_bytes:
+            self.extra.append(Interval(f"{stage}:{n.name}", "device", "grad_buffer", "reduce_copy", copy_bytes,
+                                       pos[n], pos[n], f"{stage}:{n.name}", (), param))
 
     def _once(self, key: Tuple, iv: Interval) -> None:
         if key not in self.seen:
@@ -467,7 +477,7 @@ class _Builder:
                     end, end_node = max(end, self.step_of[(rkey[0], rkey[1], rel[0].name)]), f"{rkey[1]}:{rel[0].name}"
             elif z.get("kind") == "fetch_shard":
                 role = "fetched_shard"
-            elif any(u.target in (REDUCE_GRAD, REDUCE) for u in users):
+            elif any(u.target in (REDUCE_GRAD, REDUCE, REDUCE_BUCKET) for u in users):
                 kind = "grad_buffer"
             saved = [m for m in members if m.role == "saved"]
             if saved and self.hold_saved:  # AOTAutograd's ctx holds saved tensors until backward returns

@@ -29,7 +29,8 @@ REDUCE = torch.ops.zinf.reduce.default
 WAIT_REDUCE = torch.ops.zinf.wait_reduce.default
 WAIT_OFFLOAD = torch.ops.zinf.wait_offload.default
 GATHER_BUCKET = torch.ops.zinf.gather_bucket.default  # a list of tickets, one per parameter
-TICKET_OPS = (LOAD, UPLOAD, GATHER, REDUCE, WAIT_REDUCE, GATHER_BUCKET)  # their results are tickets, not data
+REDUCE_BUCKET = torch.ops.zinf.reduce_bucket.default  # likewise
+TICKET_OPS = (LOAD, UPLOAD, GATHER, REDUCE, WAIT_REDUCE, GATHER_BUCKET, REDUCE_BUCKET)  # their results are tickets, not data
 WAIT_OPS = (WAIT_UPLOAD, WAIT_GATHER, WAIT_REDUCE, WAIT_OFFLOAD)
 
 ZINF_OPS = (FETCH_SHARD, ALL_GATHER, RELEASE, REDUCE_GRAD, GRAD_OF) + TICKET_OPS + (WAIT_UPLOAD, WAIT_GATHER,

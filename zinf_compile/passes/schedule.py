@@ -30,7 +30,8 @@ With ``bucket_bytes``, runs of consecutive small gathers (operator order) become
 ``zinf.gather_bucket`` (``zinf_runtime.bucket``), started where the run's first gather would start;
 each member keeps its ticket and its ``wait_gather``. Off under a ``device_memory_budget`` without
 ``max_inflight_bytes`` (a bucket fetches its later members early); under a cap, a bucket holds at
-most the cap. The reduce-scatters are not bucketed (yet): one collective per gradient.
+most the cap. In backward, runs of consecutive small gradients likewise become one
+``zinf.reduce_bucket``, started once the run's last gradient exists.
 """
 
 from __future__ import annotations
@@ -140,15 +141,18 @@ def plan_schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
                          "gather_at": k - min(gg, depth), "bytes": c.nbytes}
         if depth < max(nc, cg, gg):
             ctx.record.counters["prefetch_capped"] += 1
-    if ctx.cfg.bucket_bytes:
-        if ctx.cfg.device_memory_budget is not None and ctx.cfg.max_inflight_bytes is None:
-            ctx.record.counters["buckets_off_for_budget"] += 1  # a bucket fetches its members early
-        else:
-            limit = ctx.cfg.bucket_bytes if cap is None else min(ctx.cfg.bucket_bytes, cap)
-            _plan_buckets(sorted(chains, key=lambda c: (op_of[c.use], pos[c.fetch])), limit, ctx)
     reduces = [n for n in graph.nodes if is_zinf(n, REDUCE_GRAD)]
     for j, n in enumerate(reduces):
         n.meta["zinf"]["schedule"] = {"grad": j, "wait_at": j + rd, "offload_at": j + max(rd, od)}
+    if ctx.cfg.bucket_bytes:
+        if ctx.cfg.device_memory_budget is not None and ctx.cfg.max_inflight_bytes is None:
+            # a bucket fetches its later members early and keeps its earlier gradients late
+            ctx.record.counters["buckets_off_for_budget"] += 1
+        else:
+            limit = ctx.cfg.bucket_bytes if cap is None else min(ctx.cfg.bucket_bytes, cap)
+            _plan_buckets(sorted(chains, key=lambda c: (op_of[c.use], pos[c.fetch])), limit, ctx)
+            dp = {info.uid: info.world for info in ctx.params.values()}
+            _plan_reduce_buckets([n for n in reduces if dp.get(n.args[2], 1) > 1], limit, ctx)
     ctx.record.counters["scheduled_operators"] += len(uses)
     return gm
 
@@ -183,6 +187,41 @@ def _plan_buckets(chains: List[Chain], limit: int, ctx: CompileContext) -> None:
             close()
         run.append(c)
         size += c.nbytes
+    close()
+
+
+def _plan_reduce_buckets(reduces: List[torch.fx.Node], limit: int, ctx: CompileContext) -> None:
+    """Tag runs of consecutive small reduces (gradient order, one dtype, at most ``limit`` gradient
+    bytes) as buckets reduced by one collective once the last member's gradient exists; no member is
+    waited for before that."""
+    run: List[torch.fx.Node] = []
+    size, count = 0, 0
+
+    def close() -> None:
+        nonlocal run, size, count
+        if len(run) > 1:
+            last = run[-1].meta["zinf"]["schedule"]["grad"]
+            for i, n in enumerate(run):
+                z = n.meta["zinf"]["schedule"]
+                z.update(bucket=count, bucket_index=i, bucket_last=last, wait_at=max(z["wait_at"], last),
+                         offload_at=max(z["offload_at"], last))
+            count += 1
+            ctx.record.counters["reduce_buckets"] += 1
+            ctx.record.counters["bucketed_reduces"] += len(run)
+        run, size = [], 0
+
+    for n in reduces:
+        val = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
+        nbytes = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else limit + 1
+        if nbytes > limit or (run and run[-1].meta["zinf"]["schedule"]["grad"] + 1 != n.meta["zinf"]["schedule"]["grad"]):
+            close()
+            if nbytes > limit:
+                continue
+        if run and (size + nbytes > limit or val.dtype != run[0].args[0].meta["val"].dtype
+                    or n.args[2] in {r.args[2] for r in run}):
+            close()
+        run.append(n)
+        size += nbytes
     close()
 
 
@@ -256,21 +295,43 @@ def schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         _rewrite_bucket(graph, members, key, pos, before_op)
 
     anchors = [pos[n] for n in reduces]
+    red_buckets: Dict[int, torch.fx.Node] = {}
     for n in reduces:
         s = n.meta["zinf"]["schedule"]
         g, param, uid = n.args
+        if "bucket" in s:  # one reduce_bucket for the run, placed at its last gradient
+            last = reduces[[r.meta["zinf"]["schedule"]["grad"] for r in reduces].index(s["bucket_last"])]
+            if s["bucket"] not in red_buckets:
+                members = [r for r in reduces if r.meta["zinf"]["schedule"].get("bucket") == s["bucket"]]
+                members.sort(key=lambda r: r.meta["zinf"]["schedule"]["bucket_index"])
+                with graph.inserting_before(last):
+                    b = graph.call_function(Z.reduce_bucket.default, ([r.args[0] for r in members],
+                                                                      [r.args[1] for r in members],
+                                                                      [r.args[2] for r in members]))
+                b.meta["val"] = [torch.empty(1, dtype=torch.int64) for _ in members]
+                tag(b, "reduce_bucket_start", members[0].args[2],
+                    params=[r.meta["zinf"].get("param") for r in members], grad=s["bucket_last"])
+                key[b] = (1, float(pos[last]), 0)
+                red_buckets[s["bucket"]] = b
+            with graph.inserting_before(n):
+                red = graph.call_function(operator.getitem, (red_buckets[s["bucket"]], s["bucket_index"]))
+            here, first_grad = float(pos[last]), s["bucket_last"]
+            key[red] = (1, here, 0.5)
+        else:
+            with graph.inserting_before(n):
+                red = graph.call_function(Z.reduce.default, (g, param, uid))
+            here, first_grad = float(pos[n]), s["grad"]
+            key[red] = (1, here, 0)
         with graph.inserting_before(n):
-            red = graph.call_function(Z.reduce.default, (g, param, uid))
             rw = graph.call_function(Z.wait_reduce.default, (red, g, param, uid))
             ow = graph.call_function(Z.wait_offload.default, (rw, g, uid))
         for node, kind in ((red, "reduce_start"), (rw, "reduce_wait"), (ow, "offload_wait")):
             if node is not ow:
                 node.meta["val"] = torch.empty(1, dtype=torch.int64)
-            tag(node, kind, uid, param=n.meta["zinf"].get("param"), grad=s["grad"])
-        here = float(pos[n])
-        key[red] = (1, here, 0)
+            if node.target is not operator.getitem:
+                tag(node, kind, uid, param=n.meta["zinf"].get("param"), grad=s["grad"])
         for node, at, stage in ((rw, s["wait_at"], 1), (ow, s["offload_at"], 2)):
-            if at == s["grad"]:
+            if at == first_grad:
                 key[node] = (1, here, stage)  # serial: right after the reduce starts
             elif at < len(anchors):
                 key[node] = (1, anchors[at] - 0.5, stage)  # after the later gradient is computed
