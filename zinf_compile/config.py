@@ -18,6 +18,7 @@ _CHOICES: dict[str, tuple] = {
     "offload_optimizer": ("none", "cpu", "nvme"),
     "mixed_precision": (None, "bf16", "fp16"),
     "compiler": ("inductor", "eager"),
+    "partition": ("bandwidth", "broadcast"),
 }
 
 
@@ -77,6 +78,12 @@ class Config:
         graph (None: no cap); a prefetch that would exceed it starts later.
     bucket_bytes: reserved for coalescing the all-gathers of small parameters into one collective;
         not implemented yet, so only 0 (one collective per parameter) is accepted.
+    partition: how parameters are spread over the dp ranks. ``"bandwidth"`` (default, ZeRO-Infinity's
+        bandwidth-centric scheme): every rank holds 1/dp of every parameter; a use all-gathers it, a
+        gradient is reduce-scattered. ``"broadcast"`` (the classic single-owner scheme, for comparison):
+        each parameter has one owner rank (balanced by bytes) holding it whole on its tier; a use
+        broadcasts it from the owner, a gradient is reduced to the owner, whose optimizer steps it
+        (``zinf_runtime.broadcast``). Same numbers either way; checkpoints refuse "broadcast".
     trace: a path: write a Chrome/Perfetto trace (JSON) of the transfers and compute of each step
         there (``zinf_runtime.transfer``).
     """
@@ -105,6 +112,7 @@ class Config:
     max_inflight_bytes: Optional[int] = None
     bucket_bytes: int = 0
     trace: Optional[str] = None
+    partition: str = "bandwidth"
 
     def __post_init__(self) -> None:
         for key, choices in _CHOICES.items():
