@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import shutil
@@ -124,6 +125,7 @@ def run_worker(args: argparse.Namespace) -> None:
                                swap=swap if tier == "nvme" else None, context=ctx, partition=PARTITION[scheme])
                 handles = [store.get(uid) for uid in store.partition(named, pl)]
                 parts[scheme] = (model, handles, ctx)
+                del model, named  # parts holds the only references: freed before their context closes
             with torch.no_grad():
                 for s in SCHEMES:  # warm-up: pools, engine threads, gloo buffers
                     fetch_pass(parts[s][1])
@@ -133,7 +135,7 @@ def run_worker(args: argparse.Namespace) -> None:
                     for s in order:
                         times[s].append(timed(lambda: fetch_pass(parts[s][1]), world))
             for s in SCHEMES:
-                model, handles, ctx = parts[s]
+                handles, ctx = parts[s][1:]
                 med = statistics.median(times[s])
                 engines = ctx.engines()
                 results.append({
@@ -143,10 +145,16 @@ def run_worker(args: argparse.Namespace) -> None:
                     "slow_read_bytes_this_rank": sum(4 * h.shard_numel for h in handles),
                     "direct_io": all(e.stats()["direct_io"] for e in engines) if engines else None,
                 })
-            for s in SCHEMES:
-                model, handles, ctx = parts.pop(s)
-                del model, handles
+            del handles, ctx, engines
+            contexts = [parts[s][2] for s in SCHEMES]
+            parts.clear()  # the parameters go first (their finalizers drop swap files) ...
+            gc.collect()
+            leaked = [h.name for h in store.handles() if h.context in contexts]
+            if leaked:
+                raise RuntimeError(f"fetch_bandwidth: {len(leaked)} parameters outlive their context, e.g. {leaked[:3]}")
+            for ctx in contexts:  # ... then the swap engines close
                 ctx.close()
+            del contexts, ctx
         if rank == 0:
             with open(args.json_out, "w") as f:
                 json.dump({"results": results, "load1": os.getloadavg()[0], "torch": torch.__version__}, f)
