@@ -100,6 +100,15 @@ def test_broadcast_dp2_tiled_serial_schedule(tmp_path):
     assert len(res["layout"][0]) == 24 + 2 * 3 * CFG["layers"]  # qkv, fc, out: 3 tiles each
 
 
+def test_broadcast_dp2_built_by_zinf_init(tmp_path):
+    """zinf_compile.init partitions each submodule as it is built: owners are chosen then, and the
+    compile's placement (same options) matches them."""
+    res = run_broadcast(tmp_path, {"compiler": "eager", "partition": "broadcast", "offload_params": "cpu",
+                                   "_init": True})
+    assert_matches_eager(res)
+    assert_single_owner(res["layout"])
+
+
 def test_partition_option_is_validated():
     with pytest.raises(ValueError, match=r"'partition'.*'owner'.*\['bandwidth', 'broadcast'\]"):
         Config.from_options({"partition": "owner"})

@@ -69,12 +69,18 @@ def main(out_path: str, options_json: str, steps: int, global_batch: int, cfg_js
     rank = dist.get_rank()
     cfg = GPTConfig(**json.loads(cfg_json))
     options = json.loads(options_json)
+    use_init = options.pop("_init", False)  # build the model inside zinf_compile.init (owners at construction)
     torch.manual_seed(0)
-    model = GPT(cfg)
-    if rank == 1:  # a rank that initialised differently: rank 0's values must win
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1.0)
+    if use_init:
+        with zinf_compile.init(**options) as zi:
+            model = GPT(cfg)
+        options = zi.options
+    else:
+        model = GPT(cfg)
+        if rank == 1:  # a rank that initialised differently: rank 0's values must win
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
     cmodel = torch.compile(model, backend="zinf", options=options)
     opt = zinf_compile.optim.SGD(model.parameters(), **SGD)
     grads: dict = {}
