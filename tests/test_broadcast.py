@@ -24,7 +24,9 @@ import zinf_runtime
 from zinf_compile.config import Config
 from zinf_compile.models import GPT, GPTConfig, make_batch
 
+from conftest import ATOL, RTOL
 from test_dp import CFG, assert_matches_eager, run_dp
+from workers.dp_train import SGD
 
 pytestmark = pytest.mark.parity
 HERE = os.path.dirname(__file__)
@@ -141,3 +143,35 @@ def test_broadcast_dp1_is_the_default_scheme_and_checkpoints_refuse(tmp_path):
     assert outs[0][0] == outs[1][0]
     for a, b in zip(outs[0][1], outs[1][1]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _eager_clipped(max_norm, norm_type, steps=3, global_batch=8):
+    c = GPTConfig(**CFG)
+    torch.manual_seed(0)
+    model = GPT(c)
+    opt = torch.optim.SGD(model.parameters(), **SGD)
+    losses, norms = [], []
+    for step in range(steps):
+        x, y = make_batch(c, global_batch, seed=step)
+        loss = model(x, y)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, model.state_dict()
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_broadcast_dp2_clip_grad_norm(tmp_path, norm_type):
+    """Non-owners hold empty gradient shards: their partial norms are 0 (the inf norm of an empty tensor
+    is an error in torch), so clipping sees the owners' gradients once, as eager does."""
+    max_norm = 0.5  # below both norms of every step here (2-norm ~5.5, inf norm ~1.1): every step clips
+    res = run_broadcast(tmp_path, {"compiler": "eager", "partition": "broadcast", "_clip": [max_norm, norm_type]})
+    losses, norms, state = _eager_clipped(max_norm, norm_type)
+    assert norms[0] > max_norm
+    for step, n in enumerate(norms):
+        torch.testing.assert_close(res["grads"][f"norm{step}"].to(n.dtype), n, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(losses), rtol=RTOL, atol=ATOL)
+    for k, v in state.items():
+        torch.testing.assert_close(res["state"][k], v, rtol=RTOL, atol=ATOL, msg=lambda m: f"{k}: {m}")

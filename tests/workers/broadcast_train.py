@@ -70,6 +70,7 @@ def main(out_path: str, options_json: str, steps: int, global_batch: int, cfg_js
     cfg = GPTConfig(**json.loads(cfg_json))
     options = json.loads(options_json)
     use_init = options.pop("_init", False)  # build the model inside zinf_compile.init (owners at construction)
+    clip = options.pop("_clip", None)  # [max_norm, norm_type]: clip_grad_norm_ before each step
     torch.manual_seed(0)
     if use_init:
         with zinf_compile.init(**options) as zi:
@@ -84,8 +85,24 @@ def main(out_path: str, options_json: str, steps: int, global_batch: int, cfg_js
     cmodel = torch.compile(model, backend="zinf", options=options)
     opt = zinf_compile.optim.SGD(model.parameters(), **SGD)
     grads: dict = {}
-    losses = train_on_slices(cmodel, opt, cfg, steps, global_batch,
-                             after_first_backward=lambda: grads.update(owner_grads(model)))
+    if clip is None:
+        losses = train_on_slices(cmodel, opt, cfg, steps, global_batch,
+                                 after_first_backward=lambda: grads.update(owner_grads(model)))
+    else:  # [max_norm, norm_type]: clip_grad_norm_ on the sharded gradients before each step
+        from zinf_compile.models import make_batch
+
+        world, per, losses = dist.get_world_size(), global_batch // dist.get_world_size(), []
+        for step in range(steps):
+            x, y = make_batch(cfg, global_batch, seed=step)
+            loss = cmodel(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip[0], float(clip[1]))
+            grads[f"norm{step}"] = norm.detach().clone()
+            opt.step()
+            opt.zero_grad()
+            t = loss.detach().clone()
+            dist.all_reduce(t)
+            losses.append(t.item() / world)
     lay = layout(model)
     counts: dict = {}
     for rec in zinf_compile.compile_records():
