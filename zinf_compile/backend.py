@@ -149,8 +149,9 @@ def _partition_inputs(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: 
     for (i, t), uid, name in zip(found, uids, names):
         h = zinf_runtime.handle_of(t)
         parts = tuple((u.uid, u.shard_numel, u.shape) for u in h.tiles) if h.tiles is not None else ()
-        slot = (h.tiles[0] if h.tiles else h)
-        tier_of = (slot.param_copy or slot.master).tier
+        # the placement's tier (= the fetched copy's slot tier), the same on every rank: a non-owner's
+        # empty shard under partition="broadcast" sits in a 0-byte CPU slot even on the NVMe tier
+        tier_of = h.placement.tier
         infos[i] = ParamInfo(i, uid, h.name, tuple(t.shape), t.dtype, h.shard_numel, t.requires_grad, h.world,
                              parts, h.tile_dim, tier_of)
     return infos
