@@ -20,6 +20,11 @@ Owners are chosen greedily by bytes, in partition order: each new parameter goes
 owns the fewest bytes so far (ties: the lowest rank). Partition order is the same on every rank (it
 already broadcasts each parameter from rank 0 in that order), so every rank computes the same owners
 without communicating. The load counters are per ``RuntimeContext`` (per model), never process-wide.
+
+Limits (say so rather than guess): ``zinf_compile.save``/``load`` refuse a broadcast model (see
+``refuse_checkpoint``); bucketing is not implemented for either scheme; a second instance of a model
+class that reuses the first one's compiled graph gets owners of its own, and where they differ from
+the graph's the call raises on every rank (``store.resolve``: recompile), as a shape mismatch does.
 """
 
 from __future__ import annotations
