@@ -1,27 +1,24 @@
-"""Aggregate slow-memory -> compute bandwidth of fetching every parameter: zinf vs a broadcast emulation.
+"""Aggregate slow-memory -> compute bandwidth of fetching every parameter: bandwidth-centric vs broadcast.
 
 Why: ZeRO-Infinity's bandwidth-centric partitioning (issue 9) has every rank read 1/dp of each
 parameter from its own slow memory and all-gather the rest, so all ranks' slow-memory links work
 at once; the classic single-owner scheme has one rank read the whole parameter and broadcast it,
-so one link works at a time. This script measures both on the same parameters, the same bytes:
+so one link works at a time. Both are zinf's own runtime, the same parameters, the same bytes:
 
-    bandwidth-centric  zinf itself: ``ParamHandle.fetch_shard`` (this rank's 1/dp shard from its
-                       tier: CPU memory, or NVMe through the swap engine into a pooled host buffer,
-                       then a copy to the compute device) + ``ParamHandle.all_gather`` + ``release``,
-                       for every partitioned parameter, one after another
-    broadcast (EMULATED) zinf has no ``partition="broadcast"`` yet, so this script emulates it:
-                       each parameter is owned by one rank (greedy by bytes, so every rank owns about
-                       1/dp of them), which holds the *whole* fp32 parameter in its own slow memory
-                       (a CPU tensor, or a file of its own ``SwapEngine`` with zinf's swap settings);
-                       to fetch it the owner reads it (the same host buffer + copy steps as zinf) and
-                       ``dist.broadcast``s it to the others
+    bandwidth-centric  ``partition="bandwidth"`` (the default): ``ParamHandle.fetch_shard`` (this
+                       rank's 1/dp shard from its tier: CPU memory, or NVMe through the swap engine
+                       into a pooled host buffer, then a copy to the compute device) +
+                       ``ParamHandle.all_gather`` + ``release``, for every partitioned parameter
+    broadcast          ``partition="broadcast"`` (``zinf_runtime.broadcast``): each parameter has one
+                       owner rank (balanced by bytes) holding it whole on its tier; the same three
+                       calls read it on the owner (the others read nothing) and ``dist.broadcast`` it
 
 Both fetch every parameter once per pass, one parameter at a time (no prefetch, as zinf's serial
-schedule), and read the same bytes from slow memory in total (the model's fp32 parameters; zinf's
-shards add the padding to a multiple of dp). Reported per configuration (tier x dp x scheme): GB/s =
-fp32 parameter bytes / seconds of the pass (the slowest rank's), i.e. the rate at which every rank
-receives the whole model; the median of ``--repeat`` passes, the schemes alternating; and the ratio
-bandwidth-centric / broadcast.
+schedule), and read the same bytes from slow memory in total (the model's fp32 parameters; the
+bandwidth-centric shards add the padding to a multiple of dp). Reported per configuration (tier x dp
+x scheme): GB/s = fp32 parameter bytes / seconds of the pass (the slowest rank's), i.e. the rate at
+which every rank receives the whole model; the median of ``--repeat`` passes, the schemes
+alternating; and the ratio bandwidth-centric / broadcast.
 
 What this machine can and cannot show: dp = 2 runs two processes (torchrun, gloo) on one machine,
 so both ranks share one disk, one memory bus and (here) two CPU cores. Bandwidth-centric reading
@@ -38,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import shutil
@@ -52,75 +50,17 @@ from typing import Any, Dict, List, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 FULL = dict(vocab=8192, seq=128, layers=21, hidden=512, heads=8)  # ~70M, as benchmarks/overlap.py
 QUICK = dict(vocab=256, seq=32, layers=2, hidden=64, heads=4)
-SCHEMES = ("bandwidth-centric", "broadcast-emulated")
+SCHEMES = ("bandwidth-centric", "broadcast")
+PARTITION = {"bandwidth-centric": "bandwidth", "broadcast": "broadcast"}  # the zinf option of each
 
 
 # ---------------------------------------------------------------------------------------------
 # worker: one process per rank
 # ---------------------------------------------------------------------------------------------
 
-def owners(sizes: List[int], world: int) -> List[int]:
-    """Owner rank of each parameter: the largest first, each to the rank owning the fewest bytes."""
-    load = [0] * world
-    out = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        r = min(range(world), key=lambda r: (load[r], r))
-        out[i] = r
-        load[r] += sizes[i]
-    return out
-
-
-class Broadcast:
-    """The emulated single-owner scheme for one tier: owned parameters whole in this rank's slow memory."""
-
-    def __init__(self, tier: str, full: List[Any], own: List[int], rank: int, world: int, swap_cfg: Any):
-        import torch
-
-        from zinf_runtime.swap import SwapEngine
-
-        self.tier, self.rank, self.world = tier, rank, world
-        self.numels = [t.numel() for t in full]
-        self.own = own
-        self.eng = SwapEngine(swap_cfg, rank) if tier == "nvme" else None
-        self.cpu: Dict[int, Any] = {}
-        self.host: Dict[int, Any] = {}  # one reused host buffer per size, as zinf's BufferPool
-        for i, t in enumerate(full):
-            if own[i] != rank:
-                continue
-            if self.eng is None:
-                self.cpu[i] = t.detach().reshape(-1).clone()
-            else:
-                self.eng.write(f"p{i}", t.detach().reshape(-1).contiguous()).wait()
-                self.host.setdefault(t.numel(), torch.empty(t.numel(), dtype=torch.float32))
-        self.read_bytes = sum(4 * self.numels[i] for i in range(len(full)) if own[i] == rank)
-
-    def fetch_all(self) -> None:
-        import torch
-        import torch.distributed as dist
-
-        for i, n in enumerate(self.numels):
-            out = torch.empty(n, dtype=torch.float32)
-            if self.own[i] == self.rank:
-                if self.eng is None:
-                    out.copy_(self.cpu[i])
-                else:
-                    host = self.host[n]
-                    self.eng.read(f"p{i}", host).wait()
-                    out.copy_(host)
-            if self.world > 1:
-                dist.broadcast(out, src=self.own[i])
-            del out
-
-    def direct_io(self) -> Optional[bool]:
-        return None if self.eng is None else bool(self.eng.stats()["direct_io"])
-
-    def close(self) -> None:
-        if self.eng is not None:
-            self.eng.close()
-
-
-def bandwidth_centric_pass(handles: List[Any]) -> None:
-    """zinf's own fetch of every parameter: this rank's shard, all-gathered, then released."""
+def fetch_pass(handles: List[Any]) -> None:
+    """zinf's own fetch of every parameter: this rank's shard (broadcast: the whole parameter on its
+    owner, nothing elsewhere), all-gathered (broadcast: broadcast from the owner), then released."""
     import torch
 
     from zinf_runtime.store import ParamHandle
@@ -174,42 +114,47 @@ def run_worker(args: argparse.Namespace) -> None:
 
             swap = SwapConfig(root, block_size=d.swap_block_size, queue_depth=d.swap_queue_depth,
                               buffer_count=d.swap_buffer_count, buffer_size=d.swap_buffer_size)
-            torch.manual_seed(0)
-            model = GPT(cfg)
-            named = list(dict((id(p), (n, p)) for n, p in model.named_parameters()).values())  # tied once
-            full = [p.detach().clone() for _, p in named]  # for the emulation, before zinf frees them
-            ctx = RuntimeContext(name=f"fetch_bandwidth {tier}")
-            pl = Placement(tier=tier, compute_device=torch.device("cpu"), group=None,
-                           swap=swap if tier == "nvme" else None, context=ctx)
-            handles = [store.get(uid) for uid in store.partition(named, pl)]
-            sizes = [4 * t.numel() for t in full]
-            bc = Broadcast(tier, full, owners(sizes, world), rank, world, swap)
-            del full
-            param_bytes = sum(sizes)
+            parts: Dict[str, Any] = {}
+            for scheme in SCHEMES:  # the same initial values, partitioned each way, each in its own context
+                torch.manual_seed(0)
+                model = GPT(cfg)
+                named = list(dict((id(p), (n, p)) for n, p in model.named_parameters()).values())  # tied once
+                param_bytes = sum(4 * p.numel() for _, p in named)
+                ctx = RuntimeContext(name=f"fetch_bandwidth {tier} {scheme}")
+                pl = Placement(tier=tier, compute_device=torch.device("cpu"), group=None,
+                               swap=swap if tier == "nvme" else None, context=ctx, partition=PARTITION[scheme])
+                handles = [store.get(uid) for uid in store.partition(named, pl)]
+                parts[scheme] = (model, handles, ctx)
+                del model, named  # parts holds the only references: freed before their context closes
             with torch.no_grad():
-                bandwidth_centric_pass(handles)  # warm-up: pools, engine threads, gloo buffers
-                bc.fetch_all()
+                for s in SCHEMES:  # warm-up: pools, engine threads, gloo buffers
+                    fetch_pass(parts[s][1])
                 times: Dict[str, List[float]] = {s: [] for s in SCHEMES}
                 for k in range(args.repeat):
                     order = SCHEMES if k % 2 == 0 else SCHEMES[::-1]
                     for s in order:
-                        fn = (lambda: bandwidth_centric_pass(handles)) if s == SCHEMES[0] else bc.fetch_all
-                        times[s].append(timed(fn, world))
-            shard_read = sum(4 * h.shard_numel for h in handles)
-            engines = ctx.engines()
+                        times[s].append(timed(lambda: fetch_pass(parts[s][1]), world))
             for s in SCHEMES:
+                handles, ctx = parts[s][1:]
                 med = statistics.median(times[s])
+                engines = ctx.engines()
                 results.append({
-                    "tier": tier, "dp": world, "scheme": s, "emulated": s != SCHEMES[0],
+                    "tier": tier, "dp": world, "scheme": s, "partition": PARTITION[s], "emulated": False,
                     "param_bytes": param_bytes, "median_s": med, "min_s": min(times[s]), "times_s": times[s],
                     "gbps": param_bytes / med / 1e9,
-                    "slow_read_bytes_this_rank": shard_read if s == SCHEMES[0] else bc.read_bytes,
-                    "direct_io": (all(e.stats()["direct_io"] for e in engines) if engines else None)
-                    if s == SCHEMES[0] else bc.direct_io(),
+                    "slow_read_bytes_this_rank": sum(4 * h.shard_numel for h in handles),
+                    "direct_io": all(e.stats()["direct_io"] for e in engines) if engines else None,
                 })
-            bc.close()
-            del handles, model, named
-            ctx.close()
+            del handles, ctx, engines
+            contexts = [parts[s][2] for s in SCHEMES]
+            parts.clear()  # the parameters go first (their finalizers drop swap files) ...
+            gc.collect()
+            leaked = [h.name for h in store.handles() if h.context in contexts]
+            if leaked:
+                raise RuntimeError(f"fetch_bandwidth: {len(leaked)} parameters outlive their context, e.g. {leaked[:3]}")
+            for ctx in contexts:  # ... then the swap engines close
+                ctx.close()
+            del contexts, ctx
         if rank == 0:
             with open(args.json_out, "w") as f:
                 json.dump({"results": results, "load1": os.getloadavg()[0], "torch": torch.__version__}, f)
@@ -272,7 +217,7 @@ def report(args: argparse.Namespace, runs: Dict[int, Dict[str, Any]], meta: Dict
         lines.append(f"| {r['tier']} | {r['dp']} | {r['scheme']} | {r['median_s']:.4f} | {r['min_s']:.4f} | "
                      f"{r['gbps']:.3g} | {r['slow_read_bytes_this_rank'] / 2**20:.1f} MiB | "
                      f"{'-' if r['direct_io'] is None else r['direct_io']} |")
-    lines += ["", "| tier | dp | bandwidth-centric GB/s | broadcast (emulated) GB/s | ratio bc/broadcast |",
+    lines += ["", "| tier | dp | bandwidth-centric GB/s | broadcast GB/s | ratio bc/broadcast |",
               "|---|---|---|---|---|"]
     ratios: Dict[str, float] = {}
     for dp in sorted(runs):
@@ -285,14 +230,13 @@ def report(args: argparse.Namespace, runs: Dict[int, Dict[str, Any]], meta: Dict
     lines += ["",
               "- GB/s = fp32 parameter bytes / seconds of one pass fetching every parameter (slowest rank): the "
               "rate at which every rank receives the whole model",
-              "- broadcast is an EMULATION in this script (zinf has no partition=\"broadcast\"): one owner per "
-              "parameter reads it whole from its own slow memory, then dist.broadcast",
+              "- both schemes are zinf's runtime: partition=\"bandwidth\" (1/dp per rank, all-gather) and "
+              "partition=\"broadcast\" (one owner per parameter, balanced by bytes, reads it whole from its "
+              "slow memory, then dist.broadcast)",
               "- dp = 2 is two processes on ONE machine (gloo): both ranks share one disk and one memory bus, so "
               "bandwidth-centric reading cannot add link bandwidth here as it does with one NVMe/PCIe link per GPU",
-              "- at dp = 1 both schemes read the same bytes the same way and run no collective: their difference "
-              "there is zinf's per-parameter bookkeeping (accounting, gathered-buffer tracking, pooled host "
-              "buffers) against the emulation's bare copies, plus noise; it is the harness's baseline, not a "
-              "partitioning effect",
+              "- at dp = 1 both schemes are the same code path (one rank owns everything): their ratio there is "
+              "the harness's noise floor, not a partitioning effect",
               f"- load average at end {meta['load_end']}"]
     meta["ratios"] = ratios
     return "\n".join(lines) + "\n"

@@ -37,8 +37,8 @@ def op_gather_bucket(shards: List[torch.Tensor], uids: List[int]) -> List[torch.
         raise RuntimeError(f"zinf.gather_bucket: {len(shards)} shards for {len(handles)} parameters")
     first = handles[0]
     for h, s in zip(handles, shards):
-        if h.world == 1 or h.placement.group is not first.placement.group:
-            raise RuntimeError(f"zinf.gather_bucket: {h.name!r} is not partitioned over the same dp > 1 group "
+        if h.world == 1 or h.placement.group is not first.placement.group or h.placement.partition != "bandwidth":
+            raise RuntimeError(f"zinf.gather_bucket: {h.name!r} is not partitioned bandwidth-centric over the same dp > 1 group "
                                f"as {first.name!r}; the schedule pass buckets only such parameters")
         if s.dtype != shards[0].dtype or s.device != shards[0].device or s.numel() != h.shard_numel:
             raise RuntimeError(f"zinf.gather_bucket: the shard of {h.name!r} ({s.dtype}, {s.device}, {s.numel()} "
@@ -95,7 +95,8 @@ def op_reduce_bucket(grads: List[torch.Tensor], params: List[torch.Tensor], uids
         tickets: List[Optional[torch.Tensor]] = [None] * len(handles)
         members = []
         for i, (h, g) in enumerate(zip(handles, grads)):
-            if h.tiles is not None or h.world == 1 or h.placement.group is not first.placement.group:
+            if (h.tiles is not None or h.world == 1 or h.placement.group is not first.placement.group
+                    or h.placement.partition != "bandwidth"):
                 h.reduce_grad(g)  # tiled by another compile (or not dp-partitioned like the rest): alone, now
                 tickets[i] = eng.done("reduce_scatter", h.name)
             else:

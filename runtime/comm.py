@@ -213,6 +213,28 @@ def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: ProcessGro
                 lambda a: fn(out, full, op=dist.ReduceOp.SUM, group=group, async_op=a), async_op)
 
 
+def _global(group: ProcessGroup, group_rank: int) -> int:
+    """The global rank of ``group_rank`` in ``group`` (what ``dist.broadcast``/``dist.reduce`` want)."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def broadcast_flat(t: torch.Tensor, src: int, group: ProcessGroup, async_op: bool = False) -> Any:
+    """``t`` (in place) takes the value of group rank ``src`` (``partition="broadcast"``'s fetch;
+    ``async_op``: as for ``all_gather_flat``)."""
+    _check("broadcast", t, group, device="always")
+    return _run("broadcast", t, group,
+                lambda a: dist.broadcast(t, src=_global(group, src), group=group, async_op=a), async_op)
+
+
+def reduce_flat(t: torch.Tensor, dst: int, group: ProcessGroup, async_op: bool = False) -> Any:
+    """Group rank ``dst``'s ``t`` (in place) becomes the sum over ranks; the others' ``t`` is clobbered
+    (gloo reduces through it): pass a private copy (``partition="broadcast"``'s gradient reduction)."""
+    _check("reduce", t, group, device="always")
+    return _run("reduce", t, group,
+                lambda a: dist.reduce(t, dst=_global(group, dst), op=dist.ReduceOp.SUM, group=group,
+                                      async_op=a), async_op)
+
+
 # -- movers: tensors that live off the group's device by design -------------------------------------
 def _staged_inplace(op: str, t: torch.Tensor, group: ProcessGroup, run: Callable[[torch.Tensor], None]) -> None:
     """Run the in-place collective ``run`` on ``t`` through a copy on the group's device if needed."""
@@ -235,10 +257,10 @@ def _unstage(t: torch.Tensor, staged: torch.Tensor) -> None:
         t.copy_(staged)
 
 
-def broadcast(t: torch.Tensor, group: ProcessGroup) -> None:
-    """``t`` (in place) takes the value of the group's rank 0; staged through the group's device."""
+def broadcast(t: torch.Tensor, group: ProcessGroup, src: int = 0) -> None:
+    """``t`` (in place) takes the value of group rank ``src`` (default 0); staged through the group's device."""
     _staged_inplace("broadcast", t, group, lambda x: _run(
-        "broadcast", x, group, lambda a: dist.broadcast(x, src=group_src_rank(group), group=group, async_op=a)))
+        "broadcast", x, group, lambda a: dist.broadcast(x, src=_global(group, src), group=group, async_op=a)))
 
 
 def all_reduce_sum(t: torch.Tensor, group: ProcessGroup) -> None:

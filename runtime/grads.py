@@ -166,7 +166,10 @@ def _norm_of(g: ShardedGrad, ord: float, dtype: Optional[torch.dtype]) -> _Parti
     if ord < 0 or math.isnan(ord):
         raise ValueError(f"zinf: norm of order {ord} of a sharded gradient is not supported (use ord >= 0 or inf)")
     shards = g.local_shards()
-    parts = [torch.linalg.vector_norm(s, ord, dtype=dtype) for s in shards]
+    # an empty shard (a rank that owns none of the parameter: partition="broadcast", or numel < dp)
+    # contributes 0, the identity of every norm's reduction; torch refuses the inf norm of an empty tensor
+    parts = [torch.linalg.vector_norm(s, ord, dtype=dtype) if s.numel() else
+             torch.zeros((), dtype=dtype or s.dtype, device=s.device) for s in shards]
     local = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts), ord)
     local = local.to(device=g.device, dtype=dtype or g.dtype)
     return _PartialNorm(local, float(ord), h.placement.group, h.world)

@@ -335,7 +335,7 @@ class ShardedOptimizerMixin:
                 # a full-shaped state, created over the whole parameter (Adagrad's ``sum`` at construction):
                 # this rank's slice of it, padded like the shards
                 flat = v.detach().reshape(-1)
-                lo = u.rank * u.shard_numel
+                lo = u.shard_lo
                 own = torch.zeros(u.shard_numel, dtype=v.dtype, device=v.device)
                 piece = flat[lo : min(lo + u.shard_numel, u.numel)]
                 own[: piece.numel()].copy_(piece)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 import torch
 
-from . import accounting, comm, hostsync, tiers, triton_copy
+from . import accounting, broadcast, comm, hostsync, tiers, triton_copy
 from .context import DEFAULT, RuntimeContext, resolve_context
 from .grads import ShardedGrad
 from .swap import SwapConfig, SwapHandle
@@ -51,12 +51,15 @@ class Placement:
     optim_tier: Optional[str] = None  # None: same as ``tier`` ("device"/"cpu"/"nvme")
     swap: Optional[SwapConfig] = None
     sub_group_bytes: int = 256 << 20  # NVMe optimizer: bytes of states stepped at a time
+    partition: str = "bandwidth"  # "bandwidth": 1/dp per rank; "broadcast": one owner (runtime/broadcast.py)
     context: Optional[RuntimeContext] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for t in (self.tier, self.optim_tier):
             if t not in (None, "device", "cpu", "nvme"):
                 raise ValueError(f"zinf: unknown tier {t!r}; choose 'device', 'cpu' or 'nvme'")
+        if self.partition not in broadcast.SCHEMES:
+            raise ValueError(f"zinf: unknown partition {self.partition!r}; choose one of {list(broadcast.SCHEMES)}")
         if "nvme" in (self.tier, self.optim_tier) and self.swap is None:
             raise ValueError("zinf: the nvme tier needs a swap configuration (option nvme_path)")
 
@@ -89,8 +92,16 @@ class ParamHandle:
         self.context: RuntimeContext = placement.context or DEFAULT
         self.world = comm.world_size(placement.group)
         self.rank = comm.rank(placement.group)
-        self.shard_numel = -(-self.numel // self.world)
-        self.padded_numel = self.shard_numel * self.world
+        # partition="broadcast" (dp > 1): one owner holds the whole parameter, the others nothing
+        self.owner: Optional[int] = None
+        if placement.partition == "broadcast" and self.world > 1:
+            self.owner = broadcast.assign_owner(self.context, 4 * self.numel, self.world)
+        if self.owner is None:
+            self.shard_numel = -(-self.numel // self.world)
+            self.padded_numel = self.shard_numel * self.world
+        else:
+            self.shard_numel = self.numel if self.rank == self.owner else 0
+            self.padded_numel = self.numel
         self.requires_grad = requires_grad
         self._param_ref = weakref.ref(param) if param is not None else (lambda: None)
         self._compute: Dict[torch.dtype, torch.Tensor] = {}
@@ -113,15 +124,22 @@ class ParamHandle:
         # scalar entries (Adam's ``step``) stay in memory
         self.optim_slots: Dict[str, tiers.Slot] = {}
         self.optim_small: Dict[str, torch.Tensor] = {}
-        lo = self.rank * self.shard_numel
+        lo = self.shard_lo
         own = flat[lo : min(lo + self.shard_numel, self.numel)]
         shard = torch.zeros(self.shard_numel, dtype=torch.float32)
         shard[: own.numel()].copy_(own)
         self.master.set(shard, donate=True)  # a private temporary: NVMe writes need no second copy
         self._refresh_param_copy(shard)
 
+    @property
+    def shard_lo(self) -> int:
+        """Flat index of this rank's first element (bandwidth: rank * shard_numel; broadcast: 0)."""
+        return self.rank * self.shard_numel if self.owner is None else 0
+
     def _slot(self, tier: str, kind: str, dtype: torch.dtype, what: str) -> tiers.Slot:
         pl = self.placement
+        if self.shard_numel == 0 and tier == "nvme":
+            tier = "cpu"  # a non-owner's empty shard (partition="broadcast"): no file, no IO
         swap = self.context.engine(pl.swap, self.rank) if tier == "nvme" else None
         pin = tier != "device" and pl.compute_device.type == "cuda"
         return tiers.Slot(tier, kind, self.shard_numel, dtype, pl.device_of(tier), swap, f"u{self.uid}.{what}", pin,
@@ -312,6 +330,10 @@ class ParamHandle:
         until then: the collective reads it)."""
         buf = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
         _track_gathered(buf, self.name, self.context.accounting)
+        if self.owner is not None:  # partition="broadcast": the owner's whole shard to every rank
+            if self.rank == self.owner:
+                buf.copy_(shard)
+            return buf, comm.broadcast_flat(buf, self.owner, self.placement.group, async_op=async_op)
         work = comm.all_gather_flat(buf, shard, self.placement.group, async_op=async_op)
         return buf, work
 
@@ -345,7 +367,17 @@ class ParamHandle:
         master = self._whole().get()
         if self.world == 1:
             return master[: self.numel].clone()
+        if self.owner is not None:
+            return self._from_owner(master)
         return comm.all_gather_to(master, self.placement.group)[: self.numel]
+
+    def _from_owner(self, local: torch.Tensor) -> torch.Tensor:
+        """partition="broadcast": the owner's whole ``local`` (master or gradient) on every rank, as a
+        fresh tensor on ``local``'s device (staged through the group's device by ``comm.broadcast``)."""
+        out = (local.clone() if self.rank == self.owner else
+               torch.empty(self.numel, dtype=local.dtype, device=local.device))
+        comm.broadcast(out, self.placement.group, src=self.owner)
+        return out
 
     def load_full(self, full: torch.Tensor) -> None:
         """Overwrite this rank's master shard from a full tensor (same values on every rank)."""
@@ -354,7 +386,7 @@ class ParamHandle:
                 t.load_full(full.detach().narrow(self.tile_dim, lo, hi - lo))
             return
         flat = full.detach().reshape(-1)
-        lo = self.rank * self.shard_numel
+        lo = self.shard_lo
         own = flat[lo : min(lo + self.shard_numel, self.numel)]
         shard = torch.zeros(self.shard_numel, dtype=torch.float32)
         shard[: own.numel()].copy_(own)
@@ -395,7 +427,7 @@ class ParamHandle:
                 t._load_full_grad(full.narrow(self.tile_dim, lo, hi - lo))
             return
         flat = full.reshape(-1).to(torch.float32)
-        lo = self.rank * self.shard_numel
+        lo = self.shard_lo
         shard = torch.zeros(self.shard_numel, dtype=torch.float32)
         own = flat[lo : min(lo + self.shard_numel, self.numel)]
         shard[: own.numel()].copy_(own)
@@ -421,6 +453,11 @@ class ParamHandle:
         flat = grad.detach().reshape(-1).to(torch.float32)
         if self.world == 1:
             return flat, None
+        if self.owner is not None:  # partition="broadcast": reduce to the owner, which keeps it whole
+            flat = flat.clone()  # dist.reduce writes its buffer (on every rank, with gloo)
+            work = comm.reduce_flat(flat, self.owner, self.placement.group, async_op=async_op)
+            shard = flat if self.rank == self.owner else flat[:0]
+            return shard, (work, flat)
         if self.padded_numel != self.numel:
             flat = torch.nn.functional.pad(flat, (0, self.padded_numel - self.numel))
         flat = flat.contiguous()
@@ -467,7 +504,7 @@ class ParamHandle:
 
     def grad_values(self) -> torch.Tensor:
         """This rank's gradient values without the padding (zeros when none was reduced yet)."""
-        lo = self.rank * self.shard_numel
+        lo = self.shard_lo
         valid = max(0, min(self.shard_numel, self.numel - lo))
         if not self.grad_slot.present:
             return torch.zeros(valid, dtype=torch.float32, device=self.placement.storage_device())
@@ -481,6 +518,8 @@ class ParamHandle:
                  torch.zeros(self.shard_numel, dtype=torch.float32, device=self.placement.storage_device()))
         if self.world == 1:
             return shard[: self.numel].clone().view(self.shape)
+        if self.owner is not None:
+            return self._from_owner(shard).view(self.shape)
         buf = comm.all_gather_to(shard, self.placement.group)  # staged on the group's device
         return buf[: self.numel].view(self.shape)
 

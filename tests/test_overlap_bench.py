@@ -100,14 +100,15 @@ def test_fetch_bandwidth_dp1(runs):
     dims = fb["model"]
     n = sum(p.numel() for p in GPT(GPTConfig(**dims)).parameters())
     rows = {(r["tier"], r["scheme"]): r for r in fb["results"]}
-    assert set(rows) == {(t, s) for t in ("cpu", "nvme") for s in ("bandwidth-centric", "broadcast-emulated")}
+    assert set(rows) == {(t, s) for t in ("cpu", "nvme") for s in ("bandwidth-centric", "broadcast")}
     for (tier, scheme), r in rows.items():
         assert r["dp"] == 1
         assert r["param_bytes"] == 4 * n
         assert r["median_s"] > 0 and r["gbps"] == pytest.approx(r["param_bytes"] / r["median_s"] / 1e9)
-        assert r["emulated"] == (scheme == "broadcast-emulated")
+        assert r["emulated"] is False  # both are zinf's runtime (partition="bandwidth" / "broadcast")
+        assert r["partition"] == {"bandwidth-centric": "bandwidth", "broadcast": "broadcast"}[scheme]
         assert r["slow_read_bytes_this_rank"] >= r["param_bytes"]  # dp = 1: this rank reads everything
         assert (r["direct_io"] is None) == (tier == "cpu")
     for tier in ("cpu", "nvme"):
-        a, b = rows[(tier, "bandwidth-centric")], rows[(tier, "broadcast-emulated")]
+        a, b = rows[(tier, "bandwidth-centric")], rows[(tier, "broadcast")]
         assert fb["ratios"][f"{tier}/dp1"] == pytest.approx(a["gbps"] / b["gbps"])

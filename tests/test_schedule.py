@@ -262,6 +262,7 @@ def test_dp2_scheduled_and_bucketed_equal_serial(tmp_path):
 def test_schedule_options_are_checked():
     for bad in ({"prefetch_depths": (1, 2)}, {"prefetch_depths": (-1, 0, 0)}, {"reduce_depths": (1,)},
                 {"max_inflight_bytes": -1}, {"bucket_bytes": -1}, {"bucket_bytes": 10, "max_inflight_bytes": 5},
+                {"bucket_bytes": 10, "partition": "broadcast"},
                 {"trace": 3}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             zinf_compile.Config(**bad)

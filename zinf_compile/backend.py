@@ -148,6 +148,7 @@ def _partition_inputs(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: 
     placement = zinf_runtime.Placement(
         tier=tier[cfg.offload_params], compute_device=device, group=cfg.resolved_group(),
         optim_tier=tier[cfg.offload_optimizer], swap=cfg.swap_config(), sub_group_bytes=cfg.optimizer_sub_group_bytes,
+        partition=cfg.partition,
     )
     names = [_param_name(phs[i]) if i < len(phs) else f"input{i}" for i, _ in found]
     uids = zinf_runtime.partition([(n, t) for n, (_, t) in zip(names, found)], placement, cfg.sync_module_states)
@@ -159,8 +160,9 @@ def _partition_inputs(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: 
     for (i, t), uid, name in zip(found, uids, names):
         h = zinf_runtime.handle_of(t)
         parts = tuple((u.uid, u.shard_numel, u.shape) for u in h.tiles) if h.tiles is not None else ()
-        slot = (h.tiles[0] if h.tiles else h)
-        tier_of = (slot.param_copy or slot.master).tier
+        # the placement's tier (= the fetched copy's slot tier), the same on every rank: a non-owner's
+        # empty shard under partition="broadcast" sits in a 0-byte CPU slot even on the NVMe tier
+        tier_of = h.placement.tier
         infos[i] = ParamInfo(i, uid, h.name, tuple(t.shape), t.dtype, h.shard_numel, t.requires_grad, h.world,
                              parts, h.tile_dim, tier_of)
     return infos

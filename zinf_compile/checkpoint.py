@@ -153,6 +153,9 @@ def save(path: "str | os.PathLike", model: torch.nn.Module, optimizer: Optional[
     Each rank writes its own shards. ``extra``: any picklable values saved alongside (an LR scheduler's
     ``state_dict()``, the step, a data-loader position), returned by ``load``. Returns the path.
     """
+    from zinf_runtime.broadcast import refuse_checkpoint
+
+    refuse_checkpoint(model, "save")  # the layout writes rank r's slice; owners would be lost
     path = os.path.abspath(os.fspath(path))
     tmp = path + ".tmp"
 
@@ -212,6 +215,9 @@ def load(path: "str | os.PathLike", model: torch.nn.Module, optimizer: Optional[
     not partitioned yet is partitioned now, with its compile options (``options`` overrides them), and
     the shards are loaded into the store. An uncompiled module gets full tensors. Any dp size.
     """
+    from zinf_runtime.broadcast import refuse_checkpoint
+
+    refuse_checkpoint(model, "load", options)
     path = os.path.abspath(os.fspath(path))
     found = _from_rank0(lambda: _resolve(path))
     if found is None:

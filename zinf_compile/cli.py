@@ -12,6 +12,8 @@ Usage::
     python -m zinf_compile.cli plan ... --json
     zinf inspect DUMP_DIR [--diff] [--graph 0 --stage forward --pass insert_release] [--node NAME]
     zinf memplan gpt --layers 4 --hidden 256 --seq 128 --batch 8 [--offload-params cpu] [--plot m.png]
+    zinf bandwidth [--nvme-path DIR] [--refresh] [--json]    # measured once per machine, then cached
+    zinf plan ... --measured [--nvme-path DIR]              # --bandwidth from that cache
 """
 
 from __future__ import annotations
@@ -118,6 +120,10 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
                         f"(default {_human_decimal(hw.slow_bandwidth_bytes_per_s, 'B/s')})")
     h.add_argument("--peak-flops", type=_flops_arg, default=None,
                    help=f"peak FLOP/s per device, e.g. 70T (default {_human_decimal(hw.peak_flops_per_s, 'FLOP/s')})")
+    h.add_argument("--measured", action="store_true",
+                   help="take --bandwidth from this machine's measured link speeds (zinf bandwidth; measured "
+                        "once, then cached): the slower of disk read (with --nvme-path) and host->device")
+    h.add_argument("--nvme-path", default=None, help="with --measured: the directory NVMe offload would use")
     p.add_argument("--json", action="store_true", help="print analyze()'s result as JSON")
     p.set_defaults(func=_cmd_plan)
 
@@ -126,7 +132,22 @@ _HW_FLAGS = {"device_memory": "device_memory_bytes", "cpu_memory": "cpu_memory_b
              "bandwidth": "slow_bandwidth_bytes_per_s", "peak_flops": "peak_flops_per_s"}
 
 
+def _measured_slow_bandwidth(nvme_path: str | None) -> float:
+    """The slow-memory -> device rate the plan assumes, from the cached measurement (torch imported here)."""
+    from .costmodel import bandwidths
+
+    bw = bandwidths(nvme_path)
+    rates = [bw.h2d] + ([bw.disk_read] if bw.disk_read else [])
+    return min(rates)
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
+    if args.measured:
+        if args.bandwidth is not None:
+            raise ValueError("--measured and --bandwidth both set the slow-memory bandwidth; pass one of them")
+        args.bandwidth = _measured_slow_bandwidth(args.nvme_path)
+    elif args.nvme_path is not None:
+        raise ValueError("--nvme-path only applies with --measured")
     spec = TransformerSpec(**{f.name: getattr(args, f.name) for f in fields(TransformerSpec)})
     hw = Hardware(**{field: getattr(args, flag) for flag, field in _HW_FLAGS.items()
                      if getattr(args, flag) is not None})
@@ -198,10 +219,37 @@ def _add_memplan_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_cli)
 
 
+def _add_bandwidth_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bandwidth", help="this machine's link speeds (disk, host<->device), measured once and cached",
+                       description="Print the bandwidths of the links zinf moves parameters over: disk read and "
+                                   "write through zinf's swap engine (with --nvme-path), host->device and "
+                                   "device->host copies. Measured by a microbenchmark of a few seconds the first "
+                                   "time, then read from a cache keyed by host, device and the path's filesystem "
+                                   "(~/.cache/zinf, $ZINF_CACHE_DIR or --cache-dir).")
+    p.add_argument("--nvme-path", default=None, help="directory on the disk NVMe offload would use (default: no disk)")
+    p.add_argument("--cache-dir", default=None, help="cache folder (default $ZINF_CACHE_DIR or ~/.cache/zinf)")
+    p.add_argument("--refresh", action="store_true", help="measure again even if cached")
+    p.add_argument("--measure-bytes", type=_bytes_arg, default=None, help="bytes per timed transfer (default 32MiB)")
+    p.add_argument("--json", action="store_true", help="print the record as JSON")
+    p.set_defaults(func=_cmd_bandwidth)
+
+
+def _cmd_bandwidth(args: argparse.Namespace) -> int:
+    from .costmodel import DEFAULT_MEASURE_BYTES, bandwidths, format_table
+
+    bw = bandwidths(args.nvme_path, cache_dir=args.cache_dir, refresh=args.refresh,
+                    measure_bytes=args.measure_bytes or DEFAULT_MEASURE_BYTES)
+    if args.json:
+        print(json.dumps(dict(bw.to_json(), path=bw.path, cached=bw.cached), sort_keys=True, indent=2))
+    else:
+        print(format_table(bw))
+    return 0
+
+
 # ---------------------------------------------------------------- entry point
 
 _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    _add_plan_parser, _add_inspect_parser, _add_memplan_parser)
+    _add_plan_parser, _add_inspect_parser, _add_memplan_parser, _add_bandwidth_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

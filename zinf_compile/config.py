@@ -18,6 +18,7 @@ _CHOICES: dict[str, tuple] = {
     "offload_optimizer": ("none", "cpu", "nvme"),
     "mixed_precision": (None, "bf16", "fp16"),
     "compiler": ("inductor", "eager"),
+    "partition": ("bandwidth", "broadcast"),
 }
 
 
@@ -78,6 +79,12 @@ class Config:
     bucket_bytes: coalesce the all-gathers of consecutive small parameters (dp > 1) into one collective
         of at most this many gathered bytes, and their gradients' reduce-scatters likewise (0: one
         collective per parameter).
+    partition: how parameters are spread over the dp ranks. ``"bandwidth"`` (default, ZeRO-Infinity's
+        bandwidth-centric scheme): every rank holds 1/dp of every parameter; a use all-gathers it, a
+        gradient is reduce-scattered. ``"broadcast"`` (the classic single-owner scheme, for comparison):
+        each parameter has one owner rank (balanced by bytes) holding it whole on its tier; a use
+        broadcasts it from the owner, a gradient is reduced to the owner, whose optimizer steps it
+        (``zinf_runtime.broadcast``). Same numbers either way; checkpoints refuse "broadcast".
     trace: a path: write a Chrome/Perfetto trace (JSON) of the transfers and compute of each step
         there (``zinf_runtime.transfer``).
     """
@@ -106,6 +113,7 @@ class Config:
     max_inflight_bytes: Optional[int] = None
     bucket_bytes: int = 0
     trace: Optional[str] = None
+    partition: str = "bandwidth"
 
     def __post_init__(self) -> None:
         for key, choices in _CHOICES.items():
@@ -153,6 +161,10 @@ class Config:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"zinf option {key!r}: invalid value {value!r}; expected an int of bytes >= 0"
                                  + (" or None" if key == "max_inflight_bytes" else ""))
+        if self.bucket_bytes and self.partition == "broadcast":
+            raise ValueError(f"zinf option 'bucket_bytes': {self.bucket_bytes!r} coalesces the all-gathers and "
+                             "reduce-scatters of partition='bandwidth'; partition='broadcast' broadcasts each "
+                             "parameter from its owner instead. Leave bucket_bytes 0 with it")
         if self.bucket_bytes and self.max_inflight_bytes is not None and self.bucket_bytes > self.max_inflight_bytes:
             raise ValueError(f"zinf option 'bucket_bytes': {self.bucket_bytes!r} is over max_inflight_bytes "
                              f"({self.max_inflight_bytes!r}); a bucket's members are all in flight at once, so "

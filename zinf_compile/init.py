@@ -150,7 +150,7 @@ class ZinfInit:
         self.placement = zinf_runtime.Placement(
             tier=_TIERS[cfg.offload_params], compute_device=self.device, group=cfg.resolved_group(),
             optim_tier=_TIERS[cfg.offload_optimizer], swap=cfg.swap_config(),
-            sub_group_bytes=cfg.optimizer_sub_group_bytes, context=self.context)
+            sub_group_bytes=cfg.optimizer_sub_group_bytes, context=self.context, partition=cfg.partition)
         self.progress = progress
         self._stack: List[_Frame] = []
         self._registry: Dict[int, torch.nn.Parameter] = {}

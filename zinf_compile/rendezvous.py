@@ -51,6 +51,8 @@ def _param_text(uid: int) -> str:
         h = zinf_runtime.store.get(uid)
     except RuntimeError:
         return f"uid {uid}"
+    if h.owner is not None:  # partition="broadcast": shard sizes differ by rank
+        return f"{h.name!r} {tuple(h.shape)} owner {h.owner}"
     return f"{h.name!r} {tuple(h.shape)} shard {h.shard_numel}"
 
 
