@@ -28,6 +28,7 @@ Scheduled graphs split each transfer into a start returning a ticket and a wait 
     t = zinf.reduce(g, p, uid); t = zinf.wait_reduce(t, g, p, uid); zinf.wait_offload(t, g, uid)
     ts = zinf.gather_bucket([s1, s2], [u1, u2])         # bucket_bytes: one all-gather, a ticket each
     ts = zinf.reduce_bucket([g1, g2], [p1, p2], [u1, u2])  # and one reduce-scatter
+    zinf.carry(zinf.carry_ticket(k), outputs, k, uids)  # forward's end: the backward's first NVMe reads
 
 A wait takes the tensors its transfer reads (``shard``, ``g``) as arguments: that keeps them live in
 the graph until the transfer is done, so no compiler reuses their memory for a later result.
@@ -45,7 +46,7 @@ from typing import Sequence
 
 import torch
 
-from . import bucket, store, transfer
+from . import bucket, carry, store, transfer
 
 _lib = torch.library.Library("zinf", "DEF")
 _lib.define("fetch_shard(Tensor param, int uid, int shard_numel, ScalarType dtype) -> Tensor")
@@ -63,6 +64,8 @@ _lib.define("wait_reduce(Tensor ticket, Tensor grad, Tensor param, int uid) -> T
 _lib.define("wait_offload(Tensor(a!) ticket, Tensor grad, int uid) -> ()")
 _lib.define("gather_bucket(Tensor[] shards, int[] uids) -> Tensor[]")
 _lib.define("reduce_bucket(Tensor[] grads, Tensor[] params, int[] uids) -> Tensor[]")
+_lib.define("carry_ticket(int key) -> Tensor")
+_lib.define("carry(Tensor(a!) ticket, Tensor[] after, int key, int[] uids) -> ()")
 
 
 def _fetch_shard(param: torch.Tensor, uid: int, shard_numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -99,6 +102,8 @@ for _name, _fn in (
     ("wait_offload", transfer.op_wait_offload),
     ("gather_bucket", bucket.op_gather_bucket),
     ("reduce_bucket", bucket.op_reduce_bucket),
+    ("carry_ticket", carry.op_carry_ticket),
+    ("carry", carry.op_carry),
     ("fetch_shard", _fetch_shard),
     ("all_gather", _all_gather),
     ("release", _release),
@@ -143,6 +148,16 @@ for _name in ("load", "upload", "gather", "reduce", "wait_reduce"):
 
 torch.library.register_fake("zinf::gather_bucket")(bucket.gather_bucket_fake)
 torch.library.register_fake("zinf::reduce_bucket")(bucket.reduce_bucket_fake)
+
+
+@torch.library.register_fake("zinf::carry_ticket")
+def _carry_ticket_fake(key: int) -> torch.Tensor:
+    return torch.empty((1,), dtype=torch.int64, device="cpu")
+
+
+@torch.library.register_fake("zinf::carry")
+def _carry_fake(ticket: torch.Tensor, after: Sequence[torch.Tensor], key: int, uids: Sequence[int]) -> None:
+    return None
 
 
 @torch.library.register_fake("zinf::wait_upload")

@@ -192,6 +192,7 @@ class Slot:
         self._pending: Optional[SwapHandle] = None
         self._pending_buffer: Optional[torch.Tensor] = None  # a pool buffer the pending write reads
         self.fence = hostsync.Fence()  # device work in flight on _mem
+        self.version = 0  # bumped by every write and drop: a read started earlier is stale (runtime/carry.py)
 
     @property
     def accounting(self) -> accounting.Accounting:
@@ -231,6 +232,7 @@ class Slot:
     def set(self, value: torch.Tensor, donate: bool = False, recycle: bool = False) -> None:
         """Store ``value``. It is copied, unless ``donate``: then, on NVMe, the caller hands it over
         and must not change it; with ``recycle`` it goes back to the pool once written."""
+        self.version += 1
         if self.tier != "nvme":
             if self._mem is None:
                 self._alloc()
@@ -295,6 +297,7 @@ class Slot:
 
     def drop(self) -> None:
         """Free the slot's memory or file (after device work still using the memory)."""
+        self.version += 1
         if self._mem is not None:
             self.fence.wait()  # pinned memory freed under a running kernel could be handed out again
             self.accounting.sub(self.tier, self.kind, self.nbytes)

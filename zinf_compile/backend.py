@@ -7,7 +7,7 @@ patching), then traces forward and backward with AOTAutograd and runs zinf's pas
     Dynamo graph --autocast, plan_tiling, [relayout_tiles: the store re-lays tiled weights],
         tile_matmul--> AOTAutograd joint graph
         --insert_fetch, mark_grads--> min-cut partition
-        forward:   sink_fetch -> insert_release -> plan_schedule -> schedule                 -> Inductor (or eager)
+        forward:   sink_fetch -> insert_release -> plan_schedule -> schedule -> carry        -> Inductor (or eager)
         backward:  sink_fetch -> reduce_grad -> insert_release -> plan_schedule -> schedule   -> Inductor (or eager)
         inference: insert_fetch -> sink_fetch -> insert_release -> plan_schedule -> schedule  -> Inductor (or eager)
 
@@ -32,6 +32,7 @@ import zinf_runtime
 from . import _torch_compat, fallback, rendezvous
 from .config import Config
 from .passes.autocast import autocast_pass
+from .passes.carry import backward_heads, carry_pass
 from .passes.insert_fetch import insert_fetch_pass
 from .passes.insert_release import insert_release_pass
 from .passes.mark_grads import mark_grads_pass
@@ -54,7 +55,7 @@ SCHEDULE_PASSES: List[Tuple[str, Pass]] = [("plan_schedule", plan_schedule_pass)
 FORWARD_PASSES: List[Tuple[str, Pass]] = [
     ("sink_fetch", sink_fetch_pass),
     ("insert_release", insert_release_pass),
-] + SCHEDULE_PASSES
+] + SCHEDULE_PASSES + [("carry", carry_pass)]
 BACKWARD_PASSES: List[Tuple[str, Pass]] = [
     ("sink_fetch", sink_fetch_pass),
     ("reduce_grad", reduce_grad_pass),
@@ -215,22 +216,26 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: Conf
     # ranks must agree on the graph and on how it runs (rewritten or gather-all: other collectives)
     how = "gather-all fallback" if record.counters.get("gather_all_fallback") else "rewritten"
     compiled = rendezvous.guard(compiled, params, cfg.resolved_group(), f"{record.name} ({how})", record=record)
-    compiled = _drop_stale_transfers(compiled, guarded)
+    compiled = _drop_stale_transfers(compiled, guarded, record.id)
     return fallback.guard_other_instances(compiled, params, example_inputs)
 
 
-def _drop_stale_transfers(compiled: Callable, params: List[Any]) -> Callable:
+def _drop_stale_transfers(compiled: Callable, params: List[Any], key: int) -> Callable:
     """Every transfer a graph starts is waited for in that graph, so none is pending when a graph
     starts, unless an earlier one raised between a start and its wait: those are waited for and
-    dropped first (their buffers would otherwise stay referenced)."""
+    dropped first (their buffers would otherwise stay referenced). So are the reads this graph's
+    previous forward carried for a backward that did not run (``zinf_runtime.carry``)."""
     engines = [c.transfers for c in zinf_runtime.contexts_of(params)]
     if not engines:
         return compiled
+    from zinf_runtime.carry import carry_of
 
     def call(*args: Any) -> Any:
         for eng in engines:
             if eng.in_flight:
                 eng.abandon()
+            if "_carry" in eng.__dict__:
+                carry_of(eng).drop(key)
         return compiled(*args)
 
     if getattr(compiled, "_boxed_call", False):
@@ -333,8 +338,10 @@ def _compile_eager(gm: torch.fx.GraphModule, example_inputs: List[Any], ctx: Com
     def stage_compiler(stage: str, passes: List[Tuple[str, Pass]]) -> Callable:
         def compiler(g: torch.fx.GraphModule, inputs: Sequence[Any]) -> Callable:
             g = run_passes(g, inputs, passes, ctx=ctx, stage=stage)
-            if stage == "backward" and ctx.record.dump_folder() is not None:
-                _dump_plan(ctx.record)
+            if stage == "backward":
+                _register_carry(g, ctx)
+                if ctx.record.dump_folder() is not None:
+                    _dump_plan(ctx.record)
             return _torch_compat.make_boxed(g)
 
         return compiler
@@ -370,13 +377,32 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: List[Any], ctx: 
         else:
             stage, passes = "forward", FORWARD_PASSES
         g = run_passes(g, inputs, passes, ctx=ctx, stage=stage)
-        if stage == "backward" and ctx.record.dump_folder() is not None:
-            _dump_plan(ctx.record)
+        if stage == "backward":
+            _register_carry(g, ctx)
+            if ctx.record.dump_folder() is not None:
+                _dump_plan(ctx.record)
         return _torch_compat.inductor_compile_fx_inner(g, inputs, **kw)
 
     custom = _torch_compat.custom_graph_pass(joint_pass, uuid=f"zinf-joint-{ctx.record.id}")
     with _torch_compat.inductor_patches(custom):
         return _torch_compat.inductor_compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+def _register_carry(g: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Tell the models' transfer engines which NVMe reads this graph's backward begins with, for the
+    forward's ``zinf.carry`` to start (the backend's doing, not a pass's: passes never touch the runtime)."""
+    heads = backward_heads(g)
+    if not heads or "carry" in ctx.cfg.disabled_passes:
+        return
+    from zinf_runtime.carry import carry_of
+
+    engines = []
+    for info in ctx.params.values():
+        h = zinf_runtime.store._handles.get(info.uid)
+        if h is not None and h.context.transfers not in engines:
+            engines.append(h.context.transfers)
+    for eng in engines:
+        carry_of(eng).heads[ctx.record.id] = heads
 
 
 def _matches_params(phs: List[torch.fx.Node], ctx: CompileContext) -> bool:

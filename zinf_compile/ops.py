@@ -30,11 +30,13 @@ WAIT_REDUCE = torch.ops.zinf.wait_reduce.default
 WAIT_OFFLOAD = torch.ops.zinf.wait_offload.default
 GATHER_BUCKET = torch.ops.zinf.gather_bucket.default  # a list of tickets, one per parameter
 REDUCE_BUCKET = torch.ops.zinf.reduce_bucket.default  # likewise
-TICKET_OPS = (LOAD, UPLOAD, GATHER, REDUCE, WAIT_REDUCE, GATHER_BUCKET, REDUCE_BUCKET)  # their results are tickets, not data
+CARRY_TICKET = torch.ops.zinf.carry_ticket.default
+CARRY = torch.ops.zinf.carry.default
+TICKET_OPS = (LOAD, UPLOAD, GATHER, REDUCE, WAIT_REDUCE, GATHER_BUCKET, REDUCE_BUCKET, CARRY_TICKET)  # their results are tickets, not data
 WAIT_OPS = (WAIT_UPLOAD, WAIT_GATHER, WAIT_REDUCE, WAIT_OFFLOAD)
 
 ZINF_OPS = (FETCH_SHARD, ALL_GATHER, RELEASE, REDUCE_GRAD, GRAD_OF) + TICKET_OPS + (WAIT_UPLOAD, WAIT_GATHER,
-                                                                                   WAIT_OFFLOAD)
+                                                                                   WAIT_OFFLOAD, CARRY)
 
 
 

@@ -1,0 +1,88 @@
+"""Reads carried from the forward's end into the backward (``zinf_runtime.carry``).
+
+Why bitwise: a carried read returns the same bytes as a read started at the backward's top, so a run
+with carrying equals one without it exactly. Each test also checks, by the engine's counters, that
+the path it is about really ran (adopted, stale, or dropped).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Tuple
+
+import pytest
+import torch
+
+import zinf_compile
+import zinf_runtime
+from zinf_compile.models import GPT, GPTConfig, make_batch
+from zinf_runtime.carry import carry_of
+
+CFG = GPTConfig(vocab=64, seq=16, layers=3, hidden=32, heads=2)
+
+
+def _train(tmp, options: dict, between: Optional[Callable[[torch.nn.Module, int], None]] = None,
+           steps: int = 3) -> Tuple[List[float], Dict[str, torch.Tensor], Dict[str, int]]:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opts = {"compiler": "eager", "offload_params": "nvme", "offload_optimizer": "nvme", "nvme_path": str(tmp),
+            **options}
+    cm = torch.compile(model, backend="zinf", options=opts)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(steps):
+        x, y = make_batch(CFG, 4, seed=step)
+        loss = cm(x, y)
+        if between is not None:
+            between(cm, step)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    (ctx,) = zinf_runtime.contexts_of(model)
+    counters = dict(carry_of(ctx.transfers).counters) if "_carry" in ctx.transfers.__dict__ else {}
+    return losses, zinf_compile.full_state_dict(model), counters
+
+
+def _same(a, b) -> None:
+    assert a[0] == b[0]
+    for k, v in a[1].items():
+        assert torch.equal(b[1][k], v), k
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    ref = _train(tmp_path_factory.mktemp("ref"), {"disabled_passes": ("carry",)})
+    assert ref[2] == {} or ref[2]["carried"] == 0
+    return ref
+
+
+def test_carried_reads_are_adopted_and_change_no_number(tmp_path, reference):
+    run = _train(tmp_path, {})
+    _same(reference, run)
+    # the backward compiles with the forward (static shapes), so even the first step carries
+    assert run[2]["adopted"] == run[2]["carried"] >= 3 and run[2]["stale"] == 0, run[2]
+
+
+def test_a_slot_written_between_forward_and_backward_is_read_again(tmp_path, reference):
+    """Rewriting a head parameter's NVMe slot (same values) after the forward makes its carried read
+    stale: it is dropped and read afresh, never used."""
+    def rewrite(model: torch.nn.Module, step: int) -> None:
+        for p in model.parameters():
+            h = zinf_runtime.handle_of(p)
+            slot = h.param_copy or h._whole()
+            slot.set(slot.get().clone())
+
+    run = _train(tmp_path, {}, between=rewrite)
+    _same(reference, run)
+    assert run[2]["stale"] == run[2]["carried"] >= 3 and run[2]["adopted"] == 0, run[2]
+
+
+def test_a_forward_without_backward_drops_its_carried_reads(tmp_path, reference):
+    def extra_forward(model: torch.nn.Module, step: int) -> None:
+        x, y = make_batch(CFG, 4, seed=100 + step)
+        model(x, y)  # grad enabled, never backpropagated: its reads are dropped at the next forward
+
+    run = _train(tmp_path, {}, between=extra_forward)
+    _same(reference, run)
+    assert run[2]["dropped"] >= 1 and run[2]["adopted"] >= 1, run[2]

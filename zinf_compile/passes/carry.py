@@ -1,0 +1,54 @@
+"""Carry the backward's first NVMe reads into the forward's end (``zinf_runtime.carry`` says why).
+
+Runs last on the forward graph, after ``schedule``. A no-op unless some parameter lives on NVMe and
+the NVMe lookahead is on::
+
+    before:  ...; return (loss, saved...)
+    after:   ...; tk = zinf.carry_ticket(key); zinf.carry(tk, [loss, saved...], key, uids); return (...)
+
+``carry`` takes every output as an input, so any compiler runs it after the forward's last result;
+it writes its ticket (a fresh one-element tensor), so no compiler drops it as dead code. Which reads
+to start is the runtime's: the backend registers the backward's heads once its schedule is planned.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Sequence
+
+import torch
+import torch.fx
+
+from ..ops import tag
+from ..pipeline import CompileContext
+
+Z = torch.ops.zinf
+
+
+def carry_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: CompileContext) -> torch.fx.GraphModule:
+    nvme = ctx.cfg.offload_params == "nvme" or any(info.tier == "nvme" for info in ctx.params.values())
+    if not nvme or ctx.cfg.prefetch_depths[0] == 0 or not ctx.params:
+        return gm
+    graph = gm.graph
+    out = graph.find_nodes(op="output")[0]
+    flat: List[Any] = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    after = [n for n in flat if isinstance(n, torch.fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
+    key = ctx.record.id
+    uids = sorted({info.uid for info in ctx.params.values()})
+    with graph.inserting_before(out):
+        tk = graph.call_function(Z.carry_ticket.default, (key,))
+        node = graph.call_function(Z.carry.default, (tk, after, key, uids))
+    tk.meta["val"] = torch.empty(1, dtype=torch.int64)
+    tag(tk, "carry_ticket", uids[0])
+    tag(node, "carry", uids[0], graph=key)
+    ctx.record.counters["carry_ops"] += 1
+    return gm
+
+
+def backward_heads(gm: torch.fx.GraphModule) -> List[int]:
+    """The uids whose NVMe reads the backward's schedule wants before its first operator, in use order."""
+    heads = []
+    for n in gm.graph.nodes:
+        z = n.meta.get("zinf") or {}
+        if z.get("kind") == "load_start" and z.get("at", 0) < 0:
+            heads.append((z["op"], z["uid"]))
+    return [uid for _, uid in sorted(heads)]
