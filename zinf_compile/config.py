@@ -79,6 +79,14 @@ class Config:
         not implemented yet, so only 0 (one collective per parameter) is accepted.
     trace: a path: write a Chrome/Perfetto trace (JSON) of the transfers and compute of each step
         there (``zinf_runtime.transfer``).
+    optimizer_prefetch: with the optimizer on NVMe, start reading a unit's master and moments (and
+        keep its final gradient in memory) during backward, as soon as its gradient is final, up to
+        ``optimizer_sub_group_bytes`` held; ``step()`` uses them if nothing changed since
+        (``zinf_runtime.optim_overlap``).
+    overlap_optimizer_step: step a unit whose gradient is final in a background thread while
+        backward goes on (optimizer on ``cpu`` or ``nvme``); ``step()`` commits what is still valid
+        (same gradient, state and hyper-parameters: clipping, accumulation, lr changes roll back to
+        the ordinary step), so the numbers are exactly those of stepping after backward.
     """
 
     offload_params: str = "none"
@@ -105,6 +113,8 @@ class Config:
     max_inflight_bytes: Optional[int] = None
     bucket_bytes: int = 0
     trace: Optional[str] = None
+    optimizer_prefetch: bool = True
+    overlap_optimizer_step: bool = False
 
     def __post_init__(self) -> None:
         for key, choices in _CHOICES.items():
@@ -156,6 +166,9 @@ class Config:
             raise ValueError(f"zinf option 'bucket_bytes': {self.bucket_bytes!r} asks for coalesced all-gathers, "
                              "which zinf does not implement yet (one collective per parameter, started ahead "
                              "of its use by the schedule); leave it 0")
+        for key in ("optimizer_prefetch", "overlap_optimizer_step"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"zinf option {key!r}: expected True or False, got {getattr(self, key)!r}")
         if self.trace is not None and not isinstance(self.trace, (str, os.PathLike)):
             raise ValueError(f"zinf option 'trace': expected a file path, got {self.trace!r}")
         mmap_max = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
