@@ -204,3 +204,23 @@ def test_trace_shows_the_optimizer_under_backward(tmp_path):
 def test_option_is_validated(key):
     with pytest.raises(ValueError, match=key):
         zinf_compile.config.Config(**{key: "yes"})
+
+
+def test_dp2_overlapped_step_is_bitwise_the_plain_step(tmp_path):
+    """dp = 2 on gloo (torchrun, tests/test_dp.py's launcher): each rank speculates on its own shards;
+    the result is the plain step's, bitwise. The rank-0 trace shows speculative steps ran."""
+    from test_dp import run_dp
+
+    res = {}
+    for name, features in (("plain", PLAIN), ("overlap", OVERLAP)):
+        d = tmp_path / name
+        (d / "nvme").mkdir(parents=True)
+        opts = {"compiler": "eager", "offload_params": "nvme", "offload_optimizer": "nvme",
+                "nvme_path": str(d / "nvme"), **features}
+        if name == "overlap":
+            opts["trace"] = str(d / "trace.json")
+        res[name] = run_dp(d, opts)
+    assert res["overlap"]["losses"] == res["plain"]["losses"]
+    assert_bitwise(res["overlap"]["state"], res["plain"]["state"])
+    events = json.loads((tmp_path / "overlap" / "trace.json").read_text())["traceEvents"]
+    assert any(e.get("cat") == "optimizer" and e["name"].startswith("speculative step") for e in events)
