@@ -5,8 +5,12 @@ costs compute *plus* disk time. With the lookahead schedule (``prefetch_depths``
 ``reduce_depths``) transfers run behind compute, and the step should approach
 max(compute, transfer). This script measures every term of that statement in one run:
 
-    serial     offload nvme/nvme, prefetch_depths=(0, 0, 0), reduce_depths=(0, 0)
-    scheduled  offload nvme/nvme, the Config defaults (prefetch (3, 2, 1), reduce (1, 2))
+    serial     offload nvme/nvme, prefetch_depths=(0, 0, 0), reduce_depths=(0, 0),
+               optimizer_prefetch=False (nothing runs ahead of its use)
+    scheduled  offload nvme/nvme, the Config defaults (prefetch (3, 2, 1), reduce (1, 2), the
+               optimizer's NVMe state prefetched during backward within optimizer_sub_group_bytes)
+    overlap_opt  the scheduled row plus overlap_optimizer_step=True: each unit whose gradient is
+               final is stepped in a background thread during backward, ``step()`` commits
     memory     offload none/none: the in-memory step = the compute term of the bound
     transfer   no model: the NVMe bytes one step of the serial row read and wrote (the swap
                engines' own counters), read and written again through ``zinf_runtime.swap.SwapEngine``
@@ -57,8 +61,8 @@ sys.path.insert(0, HERE)
 from _procmem import reset_hwm  # noqa: E402
 from overhead import busy_cpu_s, own_cpu_s  # noqa: E402  (load reporting, shared with overhead.py)
 
-ROWS = ("serial", "scheduled", "memory", "transfer")
-MODEL_ROWS = ("serial", "scheduled", "memory")
+ROWS = ("serial", "scheduled", "overlap_opt", "memory", "transfer")
+MODEL_ROWS = ("serial", "scheduled", "overlap_opt", "memory")
 SPEEDUP_GOAL, BOUND_GOAL = 1.5, 1.2  # serial/scheduled >= 1.5, scheduled/bound <= 1.2
 FULL = dict(vocab=8192, seq=128, layers=21, hidden=512, heads=8, batch=2)
 QUICK = dict(vocab=256, seq=32, layers=2, hidden=64, heads=4, batch=2)
@@ -71,7 +75,9 @@ def row_options(row: str, args: argparse.Namespace, nvme_path: str) -> Dict[str,
         return dict(opts, offload_params="none", offload_optimizer="none")
     opts.update(offload_params="nvme", offload_optimizer="nvme", nvme_path=nvme_path)
     if row == "serial":
-        opts.update(prefetch_depths=(0, 0, 0), reduce_depths=(0, 0))
+        opts.update(prefetch_depths=(0, 0, 0), reduce_depths=(0, 0), optimizer_prefetch=False)
+    elif row == "overlap_opt":
+        opts["overlap_optimizer_step"] = True
     elif args.trace:  # scheduled: the defaults, plus the trace if asked for
         opts["trace"] = os.path.abspath(args.trace)
     return opts
@@ -166,8 +172,12 @@ def run_model_row(args: argparse.Namespace) -> Dict[str, Any]:
         for ctx in zinf_runtime.contexts_of(model):
             for eng in ctx.engines():
                 eng.wait_all()
+        from zinf_runtime import optim_overlap
+
+        ov = optim_overlap.of(opt)
+        overlap_stats = {**dict(ov.stats), "peak_held_bytes": ov.peak_held_bytes, "cap_bytes": ov.cap_bytes} if ov else {}
         res: Dict[str, Any] = {
-            "row": args.row, "params": n_params, "options": {k: v for k, v in opts.items() if k != "nvme_path"},
+            "row": args.row, "params": n_params, "optimizer_overlap": overlap_stats, "options": {k: v for k, v in opts.items() if k != "nvme_path"},
             "first_step_s": first, "median_step_s": statistics.median(times), "min_step_s": min(times),
             "step_times_s": times, "median_step_cpu_s": statistics.median(cpu_times), "step_cpu_s": cpu_times,
             "losses": losses, "warmup": args.warmup, "steps": args.steps,
@@ -356,7 +366,10 @@ def summarize(results: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     s = {"compute_s": compute, "transfer_s": transfer, "bound_s": bound,
          "serial_over_scheduled": ratio(step.get("serial"), step.get("scheduled")),
          "scheduled_over_bound": ratio(step.get("scheduled"), bound),
-         "serial_over_bound": ratio(step.get("serial"), bound)}
+         "serial_over_bound": ratio(step.get("serial"), bound),
+         "scheduled_over_overlap_opt": ratio(step.get("scheduled"), step.get("overlap_opt")),
+         "serial_over_overlap_opt": ratio(step.get("serial"), step.get("overlap_opt")),
+         "overlap_opt_over_bound": ratio(step.get("overlap_opt"), bound)}
     s["speedup_goal_met"] = None if s["serial_over_scheduled"] is None else s["serial_over_scheduled"] >= SPEEDUP_GOAL
     s["bound_goal_met"] = None if s["scheduled_over_bound"] is None else s["scheduled_over_bound"] <= BOUND_GOAL
     return s
@@ -394,7 +407,9 @@ def report(args: argparse.Namespace, results: Dict[str, Dict[str, Any]], summary
             o = r["options"]
             opt = (f"{o.get('offload_params')}/{o.get('offload_optimizer')}"
                    + (f", prefetch {tuple(o['prefetch_depths'])}, reduce {tuple(o['reduce_depths'])}"
-                      if "prefetch_depths" in o else (", defaults" if row == "scheduled" else "")))
+                      if "prefetch_depths" in o else (", defaults" if row == "scheduled" else ""))
+                   + (", optimizer_prefetch off" if o.get("optimizer_prefetch") is False else "")
+                   + (", defaults + overlap_optimizer_step" if o.get("overlap_optimizer_step") else ""))
             rd = r.get("nvme", {}).get("bytes_read_per_step")
             wr = r.get("nvme", {}).get("bytes_written_per_step")
         mib = lambda b: "-" if b is None else f"{b / 2**20:.0f} MiB"  # noqa: E731
@@ -412,6 +427,10 @@ def report(args: argparse.Namespace, results: Dict[str, Dict[str, Any]], summary
               f"- scheduled / bound = {fmt(s['scheduled_over_bound'], '.2f')} (goal <= {BOUND_GOAL})"
               f"{verdict(s['bound_goal_met'])}",
               f"- serial / bound = {fmt(s['serial_over_bound'], '.2f')}"]
+    if results.get("overlap_opt") is not None:
+        lines.append(f"- overlap_optimizer_step: scheduled / overlap_opt = {fmt(s['scheduled_over_overlap_opt'], '.2f')}, "
+                     f"serial / overlap_opt = {fmt(s['serial_over_overlap_opt'], '.2f')}, "
+                     f"overlap_opt / bound = {fmt(s['overlap_opt_over_bound'], '.2f')}")
     t = results.get("transfer")
     if t is not None:
         mr = t["median_run"]
@@ -423,9 +442,11 @@ def report(args: argparse.Namespace, results: Dict[str, Dict[str, Any]], summary
                   f"(posix_fadvise DONTNEED on every file); block device {t['block_device']} moved "
                   f"{share(mr['device_read_share'])} of the read payload and {share(mr['device_written_share'])} "
                   "of the written payload (device-wide counters: other processes' IO adds to them)"]
-    for row in ("serial", "scheduled"):
+    for row in ("serial", "scheduled", "overlap_opt"):
         r = results.get(row)
         if r is not None and "nvme" in r:
+            if r.get("optimizer_overlap"):
+                lines.append(f"- {row}: optimizer overlap counters over all steps {r['optimizer_overlap']}")
             lines.append(f"- {row}: swap engines used O_DIRECT: {r['nvme']['direct_io']}; "
                          f"{r['nvme']['reads_per_step']:.0f} reads + {r['nvme']['writes_per_step']:.0f} writes "
                          f"per step; peak disk {r['nvme']['peak_disk_bytes'] / 2**20:.0f} MiB")

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from . import accounting, comm, store, transfer
+from . import accounting, comm, optim_overlap, store, transfer
 from .tiers import Slot
 
 
@@ -114,6 +114,9 @@ class ShardedOptimizerMixin:
         """Put each memory-tier unit's fp32 master shard (its ``.grad`` the gradient shard) in place of the
         partitioned parameter in ``param_groups``; NVMe units are left out, to be streamed after."""
         plan = _StepPlan()
+        ov = optim_overlap.of(self)
+        if ov is not None:
+            ov.drain()  # speculative steps started during backward: finished before any is committed
         try:
             for gi, group in enumerate(self.param_groups):
                 originals = group["params"]
@@ -131,6 +134,17 @@ class ShardedOptimizerMixin:
                     states = self._unit_states(p, len(units))
                     for unit, st in zip(units, states):
                         shadow = unit.master.resident()
+                        e = ov.take(unit) if ov is not None else None
+                        if e is not None:  # stepped during backward and still valid: commit its result
+                            unit.master.set(e.master)
+                            st = e.new_state
+                            ov.release(e)
+                            plan.touched.append(unit)
+                            shadow.grad = None  # torch skips it
+                            if st:
+                                self.state[shadow] = st
+                            shadows.append(shadow)
+                            continue
                         shadow.grad = unit.grad_shard()  # None: param.grad is None, torch skips it
                         if st:
                             self.state[shadow] = st
@@ -167,6 +181,24 @@ class ShardedOptimizerMixin:
         if plan.streamed:
             self._step_streamed(plan.streamed)
         self._account_state()
+        ov = optim_overlap.of(self, create=True)
+        ov.clear()  # work no step took (a unit without gradient now): dropped
+        ov.attach()  # the optimizer is known for these parameters now: overlap the next backward
+
+    def _commit_shadows(self, u: store.ParamHandle, e: "optim_overlap.Entry") -> None:
+        """Make a unit's speculatively stepped NVMe shadows its master and moment slots."""
+        old = u.master
+        u.master = e.shadows.pop("master")
+        old.drop()
+        for name, slot in e.shadows.items():
+            prev = u.optim_slots.get(name)
+            u.optim_slots[name] = slot
+            if prev is not None:
+                prev.drop()
+        e.shadows = {}
+        u.optim_small.update(e.new_state)
+        e.new_state = {}
+        u.master_updated()
 
     def _step_streamed(self, items: List[tuple[int, store.ParamHandle]]) -> None:
         """Step units whose master, gradient and moments live on NVMe, a sub-group at a time.
@@ -174,6 +206,25 @@ class ShardedOptimizerMixin:
         Reads of sub-group k+1 are in flight while torch's kernels step sub-group k; writes of
         sub-group k go out asynchronously. Resident bytes stay within about three sub-groups.
         """
+        ov = optim_overlap.of(self)
+        ready: Dict[int, optim_overlap.Entry] = {}
+        written: List[store.ParamHandle] = []
+        if ov is not None:  # work started during backward: commit speculative steps, use prefetched reads
+            first, rest = [], []
+            for gi, u in items:
+                e = ov.take(u)
+                if e is None:
+                    rest.append((gi, u))
+                elif e.speculative:
+                    self._commit_shadows(u, e)
+                    ov.release(e)
+                    written.append(u)
+                else:
+                    ready[u.uid] = e
+                    first.append((gi, u))
+            items = first + rest  # prefetched units first: their data is in memory already
+            if not items:
+                return
         budget = items[0][1].placement.sub_group_bytes
         groups: List[List[tuple[int, store.ParamHandle]]] = [[]]
         size = 0
@@ -191,6 +242,12 @@ class ShardedOptimizerMixin:
         def load(group: List[tuple[int, store.ParamHandle]]) -> list:
             out = []
             for gi, u in group:
+                e = ready.pop(u.uid, None)
+                if e is not None:  # prefetched during backward; its buffers are the step's from here
+                    ov.consumed(e)  # type: ignore[union-attr]
+                    handles = [h for h in (e.master_read, *(h for _, h in e.states.values())) if h]
+                    out.append((gi, u, e.master, e.grad, dict(e.states), handles))
+                    continue
                 master, hm = read(u.master)
                 if u.grad_slot.present:
                     grad, hg = read(u.grad_slot)
@@ -201,7 +258,6 @@ class ShardedOptimizerMixin:
             return out
 
         pending = load(groups[0])
-        written: List[store.ParamHandle] = []
         originals = [g["params"] for g in self.param_groups]
         try:
             for k in range(len(groups)):
@@ -329,6 +385,7 @@ class ShardedOptimizerMixin:
     def _place_state(self, u: store.ParamHandle, st: dict) -> dict:
         """One unit's state on its tier: per-element tensors must be this rank's shard size."""
         device = u.placement.storage_device()
+        u.state_version += 1  # work started on the old state (optim_overlap) is void
         out = {}
         for name, v in st.items():
             if torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) == u.shape and u.shape != (u.shard_numel,):

@@ -114,6 +114,11 @@ class ParamHandle:
         self.tile_index = 0
         self._tile_inputs: Optional[List[torch.nn.Parameter]] = None
         self._grad_view: Optional[ShardedGrad] = None  # param.grad while it holds this handle's gradient
+        # bumped on every change of the gradient shard / of the master or optimizer state: work started
+        # on a copy (``zinf_runtime.optim_overlap``) is valid only while the versions it saw still hold
+        self.grad_version = 0
+        self.state_version = 0
+        self.grad_listener: Optional[Callable[["ParamHandle", Optional[torch.Tensor]], None]] = None
         pl = placement
         self.master: Optional[tiers.Slot] = self._slot(pl.master_tier, "param", torch.float32, "master")
         # the copy forward/backward fetch; None: the master serves (same memory tier, fp32 model)
@@ -231,6 +236,7 @@ class ParamHandle:
         compute copies, refresh the parameter copy."""
         for t in self.tiles or ():
             t.master_updated()
+        self.state_version += 1
         self._drop_compute()
         if self.param_copy is not None and self.master is not None:
             self._refresh_param_copy(value if value is not None else self.master.get())
@@ -415,6 +421,8 @@ class ParamHandle:
             return
         current = p.grad
         for u in owner.units():
+            if u.grad_slot.present:
+                u._grad_changed(None)
             u.grad_slot.drop()
         owner._grad_view = ShardedGrad(p, owner)
         if current is not None:  # a full tensor the user assigned: it is the starting value
@@ -432,6 +440,7 @@ class ParamHandle:
         own = flat[lo : min(lo + self.shard_numel, self.numel)]
         shard[: own.numel()].copy_(own)
         self.grad_slot.set(shard)
+        self._grad_changed(None)
 
     def reduce_grad(self, grad: torch.Tensor) -> None:
         """Reduce-scatter (mean over dp) ``grad``; accumulate the fp32 shard on the optimizer's tier."""
@@ -483,15 +492,27 @@ class ParamHandle:
             triton_copy.scatter_accumulate(shard, [slot.resident_for_device()])
             slot.fence.record(shard.device)
             fused_copies["scatter_accumulate"] += 1
+            self._grad_changed(None)
         elif not slot.present:
             slot.set(shard)
+            self._grad_changed(shard if slot.tier == "nvme" else slot.resident())
         elif slot.tier != "nvme":
             slot.resident().add_(shard.to(slot.device))
+            self._grad_changed(slot.resident())
         else:  # read-modify-write: accumulation across micro-batches survives offload
             acc = slot.pool.acquire(slot.numel, slot.dtype, slot.pin)
             slot.get_async(out=acc)[1].wait()
             acc.add_(shard.to("cpu"))
+            self._grad_changed(acc)  # before the write takes the buffer over
             slot.set(acc, donate=True, recycle=True)
+
+    def _grad_changed(self, value: Optional[torch.Tensor]) -> None:
+        """The gradient shard changed; ``value``: its new content in memory (the listener may copy it
+        now, nothing after), or None (changed some other way: work started on an older value is void)."""
+        self.grad_version += 1
+        listener = self.grad_listener
+        if listener is not None:
+            listener(self, value)
 
     def grad_shard(self) -> Optional[torch.Tensor]:
         """What the optimizer steps with: the fp32 gradient shard (padded; zeros after ``zero_()``),
@@ -528,6 +549,7 @@ class ParamHandle:
         slot = self.grad_slot
         if not slot.present or factor == 1.0:
             return
+        self._grad_changed(None)
         if slot.tier != "nvme":
             slot.resident().mul_(factor)
         else:
@@ -541,6 +563,7 @@ class ParamHandle:
             t.zero_grad(set_to_none)
         if not self.grad_slot.present:
             return
+        self._grad_changed(None)
         if set_to_none or self.grad_slot.tier == "nvme":
             self.grad_slot.drop()  # an absent slot under a live view reads as zeros
         else:

@@ -195,6 +195,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: Conf
         record.counters["partitioned_inputs"] = len(params)
         if cfg.trace:
             _start_trace(cfg, [example_inputs[i] for i in params])
+        for ctx in zinf_runtime.contexts_of([example_inputs[i] for i in params]):  # runtime/optim_overlap.py
+            ctx.optimizer_prefetch, ctx.overlap_optimizer_step = cfg.optimizer_prefetch, cfg.overlap_optimizer_step
         mutated = fallback.mutated_param_inputs(gm, params)
         if mutated:
             idx, op = next(iter(mutated.items()))

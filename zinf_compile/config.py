@@ -87,6 +87,14 @@ class Config:
         (``zinf_runtime.broadcast``). Same numbers either way; checkpoints refuse "broadcast".
     trace: a path: write a Chrome/Perfetto trace (JSON) of the transfers and compute of each step
         there (``zinf_runtime.transfer``).
+    optimizer_prefetch: with the optimizer on NVMe, start reading a unit's master and moments (and
+        keep its final gradient in memory) during backward, as soon as its gradient is final, up to
+        ``optimizer_sub_group_bytes`` held; ``step()`` uses them if nothing changed since
+        (``zinf_runtime.optim_overlap``).
+    overlap_optimizer_step: step a unit whose gradient is final in a background thread while
+        backward goes on (optimizer on ``cpu`` or ``nvme``); ``step()`` commits what is still valid
+        (same gradient, state and hyper-parameters: clipping, accumulation, lr changes roll back to
+        the ordinary step), so the numbers are exactly those of stepping after backward.
     """
 
     offload_params: str = "none"
@@ -114,6 +122,8 @@ class Config:
     bucket_bytes: int = 0
     trace: Optional[str] = None
     partition: str = "bandwidth"
+    optimizer_prefetch: bool = True
+    overlap_optimizer_step: bool = False
 
     def __post_init__(self) -> None:
         for key, choices in _CHOICES.items():
@@ -169,6 +179,9 @@ class Config:
             raise ValueError(f"zinf option 'bucket_bytes': {self.bucket_bytes!r} is over max_inflight_bytes "
                              f"({self.max_inflight_bytes!r}); a bucket's members are all in flight at once, so "
                              "make it at most the cap")
+        for key in ("optimizer_prefetch", "overlap_optimizer_step"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"zinf option {key!r}: expected True or False, got {getattr(self, key)!r}")
         if self.trace is not None and not isinstance(self.trace, (str, os.PathLike)):
             raise ValueError(f"zinf option 'trace': expected a file path, got {self.trace!r}")
         mmap_max = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
