@@ -157,72 +157,65 @@ def plan_schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
     return gm
 
 
+def _runs(items: List[Any], limit: int, info: Any) -> List[List[Any]]:
+    """Group ``items`` (in order) into runs of at most ``limit`` bytes; ``info(item)`` gives
+    ``(nbytes or None: never bucketed, dtype, uid, position)``. A run breaks at an item too big, another
+    dtype, a repeated uid or a gap in positions; only runs of two or more are returned."""
+    runs: List[List[Any]] = [[]]
+    size = 0
+    for item in items:
+        nbytes, dtype, uid, where = info(item)
+        last = runs[-1]
+        if last and (nbytes is None or nbytes > limit or size + nbytes > limit or info(last[0])[1] != dtype
+                     or uid in {info(r)[2] for r in last} or where != info(last[-1])[3] + 1):
+            runs.append([])
+            size = 0
+        if nbytes is not None and nbytes <= limit:
+            runs[-1].append(item)
+            size += nbytes
+    return [r for r in runs if len(r) > 1]
+
+
 def _plan_buckets(chains: List[Chain], limit: int, ctx: CompileContext) -> None:
     """Tag runs of consecutive small gathers (operator order, one dtype, at most ``limit`` gathered
     bytes together) as buckets: the bucket's gather starts where its first member's would, and every
     member's load and upload no later. The members' bytes are in flight from that start on."""
-    run: List[Chain] = []
-    size, count = 0, 0
+    index = {id(c): i for i, c in enumerate(chains)}
 
-    def close() -> None:
-        nonlocal run, size, count
-        if len(run) > 1:
-            at = min(c.fetch.meta["zinf"]["schedule"]["gather_at"] for c in run)
-            for i, c in enumerate(run):
-                z = c.fetch.meta["zinf"]["schedule"]
-                z.update(bucket=count, bucket_index=i, gather_at=at, upload_at=min(z["upload_at"], at),
-                         load_at=min(z["load_at"], at))
-            count += 1
-            ctx.record.counters["gather_buckets"] += 1
-            ctx.record.counters["bucketed_gathers"] += len(run)
-        run, size = [], 0
-
-    for c in chains:
+    def info(c: Chain) -> Tuple[Optional[int], Any, int, int]:
         val = c.gather.meta.get("val") if c.gather is not None else None
-        if not isinstance(val, torch.Tensor) or c.nbytes > limit:
-            close()
-            continue
-        if run and (size + c.nbytes > limit or val.dtype != run[0].gather.meta["val"].dtype
-                    or c.uid in {r.uid for r in run}):
-            close()
-        run.append(c)
-        size += c.nbytes
-    close()
+        ok = isinstance(val, torch.Tensor)
+        return (c.nbytes if ok else None), (val.dtype if ok else None), c.uid, index[id(c)]
+
+    for count, run in enumerate(_runs(chains, limit, info)):
+        at = min(c.fetch.meta["zinf"]["schedule"]["gather_at"] for c in run)
+        for i, c in enumerate(run):
+            z = c.fetch.meta["zinf"]["schedule"]
+            z.update(bucket=count, bucket_index=i, gather_at=at, upload_at=min(z["upload_at"], at),
+                     load_at=min(z["load_at"], at))
+        ctx.record.counters["gather_buckets"] += 1
+        ctx.record.counters["bucketed_gathers"] += len(run)
 
 
 def _plan_reduce_buckets(reduces: List[torch.fx.Node], limit: int, ctx: CompileContext) -> None:
     """Tag runs of consecutive small reduces (gradient order, one dtype, at most ``limit`` gradient
     bytes) as buckets reduced by one collective once the last member's gradient exists; no member is
     waited for before that."""
-    run: List[torch.fx.Node] = []
-    size, count = 0, 0
 
-    def close() -> None:
-        nonlocal run, size, count
-        if len(run) > 1:
-            last = run[-1].meta["zinf"]["schedule"]["grad"]
-            for i, n in enumerate(run):
-                z = n.meta["zinf"]["schedule"]
-                z.update(bucket=count, bucket_index=i, bucket_last=last, wait_at=max(z["wait_at"], last),
-                         offload_at=max(z["offload_at"], last))
-            count += 1
-            ctx.record.counters["reduce_buckets"] += 1
-            ctx.record.counters["bucketed_reduces"] += len(run)
-        run, size = [], 0
-
-    for n in reduces:
+    def info(n: torch.fx.Node) -> Tuple[Optional[int], Any, int, int]:
         val = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
-        nbytes = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else limit + 1
-        if nbytes > limit or (run and run[-1].meta["zinf"]["schedule"]["grad"] + 1 != n.meta["zinf"]["schedule"]["grad"]):
-            close()
-            if nbytes > limit:
-                continue
-        if run and (size + nbytes > limit or val.dtype != run[0].args[0].meta["val"].dtype
-                    or n.args[2] in {r.args[2] for r in run}):
-            close()
-        run.append(n)
-        size += nbytes
-    close()
+        ok = isinstance(val, torch.Tensor)
+        return ((val.numel() * val.element_size()) if ok else None, (val.dtype if ok else None), n.args[2],
+                n.meta["zinf"]["schedule"]["grad"])
+
+    for count, run in enumerate(_runs(reduces, limit, info)):
+        last = run[-1].meta["zinf"]["schedule"]["grad"]
+        for i, n in enumerate(run):
+            z = n.meta["zinf"]["schedule"]
+            z.update(bucket=count, bucket_index=i, bucket_last=last, wait_at=max(z["wait_at"], last),
+                     offload_at=max(z["offload_at"], last))
+        ctx.record.counters["reduce_buckets"] += 1
+        ctx.record.counters["bucketed_reduces"] += len(run)
 
 
 def schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
