@@ -206,6 +206,8 @@ class ShardedOptimizerMixin:
         Reads of sub-group k+1 are in flight while torch's kernels step sub-group k; writes of
         sub-group k go out asynchronously. Resident bytes stay within about three sub-groups.
         """
+        for _, u in items:  # a gradient write that failed (a full disk) raises here, before any change
+            u.grad_slot.flush()  # (the prefetched copy in memory would otherwise hide it)
         ov = optim_overlap.of(self)
         ready: Dict[int, optim_overlap.Entry] = {}
         written: List[store.ParamHandle] = []
