@@ -47,6 +47,8 @@ U_FP16 = 2.0 ** -11
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "parity: compares zinf against eager numerics; CI reruns these with ATEN_CPU_CAPABILITY=default")
+    config.addinivalue_line(
+        "markers", "slow: outside CI's 30 minutes on 2 cores; `make test-slow` runs them (README: Tests)")
 
 
 @pytest.fixture(autouse=True)

@@ -216,6 +216,7 @@ def test_other_optimizers_are_left_alone():
     torch.testing.assert_close(w.detach(), torch.full((3,), 0.9))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_every_optimizer_at_dp2(tier, tmp_path):
     # dp = 2 averages two half-batch gradients instead of one mean over 8 rows: a reassociated sum of

@@ -82,6 +82,7 @@ def test_broadcast_dp2_matches_eager_and_bandwidth_scheme(tmp_path):
         torch.testing.assert_close(res["grads"][k], v, rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
 
 
+@pytest.mark.slow
 def test_broadcast_dp2_nvme_params_and_optimizer(tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
@@ -93,6 +94,7 @@ def test_broadcast_dp2_nvme_params_and_optimizer(tmp_path):
     assert not any(nvme.iterdir()), "per-rank swap folders are removed at exit"
 
 
+@pytest.mark.slow
 def test_broadcast_dp2_tiled_serial_schedule(tmp_path):
     """Tiles are units of their own (each gets an owner); the serial schedule takes the blocking path."""
     res = run_broadcast(tmp_path, {"compiler": "eager", "partition": "broadcast", "offload_params": "cpu",
@@ -102,6 +104,7 @@ def test_broadcast_dp2_tiled_serial_schedule(tmp_path):
     assert len(res["layout"][0]) == 24 + 2 * 3 * CFG["layers"]  # qkv, fc, out: 3 tiles each
 
 
+@pytest.mark.slow
 def test_broadcast_dp2_built_by_zinf_init(tmp_path):
     """zinf_compile.init partitions each submodule as it is built: owners are chosen then, and the
     compile's placement (same options) matches them."""
@@ -162,6 +165,7 @@ def _eager_clipped(max_norm, norm_type, steps=3, global_batch=8):
     return losses, norms, model.state_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
 def test_broadcast_dp2_clip_grad_norm(tmp_path, norm_type):
     """Non-owners hold empty gradient shards: their partial norms are 0 (the inf norm of an empty tensor

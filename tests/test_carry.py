@@ -78,6 +78,7 @@ def test_a_slot_written_between_forward_and_backward_is_read_again(tmp_path, ref
     assert run[2]["stale"] == run[2]["carried"] >= 3 and run[2]["adopted"] == 0, run[2]
 
 
+@pytest.mark.slow
 def test_a_forward_without_backward_drops_its_carried_reads(tmp_path, reference):
     def extra_forward(model: torch.nn.Module, step: int) -> None:
         x, y = make_batch(CFG, 4, seed=100 + step)

@@ -74,6 +74,7 @@ def nvme_job(tmp_path, **kw) -> dict:
     return dict(tier="nvme", nvme_path=str(swap), **kw)
 
 
+@pytest.mark.slow  # the same machinery at one dp; test_kill_and_resume_across_dp_is_bitwise runs in CI
 def test_kill_and_resume_nvme_is_bitwise(tmp_path):
     """6 steps straight == 3 steps, save, SIGKILL, fresh process loads before its first call, 3 steps."""
     ck = str(tmp_path / "ck")

@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a benchmark's smoke run: minutes on 2 cores (make test-slow)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPARE = os.path.join(ROOT, "benchmarks", "compare.py")
 

@@ -150,6 +150,7 @@ def test_seconds_and_collective_lookup():
         costmodel.measure(None, measure_bytes=1000)
 
 
+@pytest.mark.slow
 def test_dp2_collectives_measured_together_and_cached(tmp_path):
     import socket
     import subprocess

@@ -70,6 +70,7 @@ def test_dp2_training_loop_matches_eager(tmp_path, options):
     torch.testing.assert_close(r1["scale_rank"], r0["scale_rank"], rtol=0, atol=0)  # replicas agree
 
 
+@pytest.mark.slow
 def test_dp2_evaluating_on_one_rank_raises_instead_of_hanging(tmp_path):
     proc, (r0, r1) = torchrun(tmp_path, "eval_alone", {"compiler": "eager"}, steps=1, extra="25",
                               env={"ZINF_COLLECTIVE_TIMEOUT_S": "8"})

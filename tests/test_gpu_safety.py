@@ -144,6 +144,7 @@ def test_movers_stage_a_tensor_off_the_groups_device(monkeypatch):
         comm.all_gather_flat(torch.empty(6), torch.ones(3), None)
 
 
+@pytest.mark.slow
 def test_dp2_tiled_cpu_offload_runs_under_strict_mode(tmp_path):
     """dp = 2 on gloo, strict mode on in both workers (inherited env): the partition-time
     broadcast, the all-gather of CPU masters when weights are tiled (it used to hand the master

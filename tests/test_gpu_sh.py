@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_SH = os.path.join(ROOT, "benchmarks", "gpu.sh")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -37,6 +39,7 @@ def test_gpu_sh_refuses_without_a_gpu(tmp_path):
     assert bad.returncode == 2 and "unknown argument --bogus" in bad.stderr
 
 
+@pytest.mark.slow
 def test_gpu_sh_dry_run_writes_every_part(tmp_path):
     out = tmp_path / "dry.json"
     proc = subprocess.run(["bash", GPU_SH, "--dry-run", "--out", str(out)], capture_output=True, text=True,

@@ -206,6 +206,7 @@ def test_option_is_validated(key):
         zinf_compile.config.Config(**{key: "yes"})
 
 
+@pytest.mark.slow
 def test_dp2_overlapped_step_is_bitwise_the_plain_step(tmp_path):
     """dp = 2 on gloo (torchrun, tests/test_dp.py's launcher): each rank speculates on its own shards;
     the result is the plain step's, bitwise. The rank-0 trace shows speculative steps ran."""

@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a benchmark's smoke run: minutes on 2 cores (make test-slow)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 TIMEOUT = 600  # a shared 2-core machine can be many times slower than an idle one

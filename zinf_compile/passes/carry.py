@@ -26,8 +26,9 @@ Z = torch.ops.zinf
 
 def carry_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: CompileContext) -> torch.fx.GraphModule:
     nvme = ctx.cfg.offload_params == "nvme" or any(info.tier == "nvme" for info in ctx.params.values())
-    if not nvme or ctx.cfg.prefetch_depths[0] == 0 or not ctx.params:
-        return gm
+    scheduled = not {"plan_schedule", "schedule"} & set(ctx.cfg.disabled_passes)
+    if not nvme or not scheduled or ctx.cfg.prefetch_depths[0] == 0 or not ctx.params:
+        return gm  # no lookahead, no carrying: the graph stays as it was
     graph = gm.graph
     out = graph.find_nodes(op="output")[0]
     flat: List[Any] = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
