@@ -156,7 +156,8 @@ def load_into(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]
     for item in todo:
         fqn, p, h = item
         b = sum(4 * u.shard_numel for u in h.units()) * (1 + (len(names.get(fqn, [])) if id(p) in in_optim else 0))
-        if group and size + b > h.placement.sub_group_bytes:
+        staged = any(u.master.tier == "nvme" for u in h.units())  # memory tiers load in place: no bound,
+        if group and staged and size + b > h.placement.sub_group_bytes:  # and one DCP call reads in file order
             size = _load_group(group, optimizer, in_optim, names, meta, run, bar, size)
             group = []
         group.append(item)
