@@ -33,6 +33,7 @@ folders are removed) and drops its pooled buffers. Swap engines also close at in
 from __future__ import annotations
 
 import contextlib
+import functools
 import contextvars
 import itertools
 import threading
@@ -88,6 +89,8 @@ class RuntimeContext:
             eng = self._engines.get((cfg, rank))
             if eng is None:
                 eng = SwapEngine(cfg, rank)
+                # the transfer engine, not self: the engine must not keep its context alive
+                eng.observer = functools.partial(_trace_write, self.transfers)
                 self._engines[(cfg, rank)] = eng
                 tiers._engines[(self.id, cfg, rank)] = eng
             return eng
@@ -217,3 +220,10 @@ def reset_peak_memory_stats(model: Any = None) -> None:
         return
     for c in contexts_of(model):
         c.accounting.reset_peak()
+
+
+def _trace_write(transfers: TransferEngine, h: Any) -> None:
+    """A finished swap write, as a span of the step trace's ``nvme_write`` lane (reads are traced
+    by their transfer tickets, from start to wait)."""
+    if h.kind == "write" and transfers.tracer is not None:
+        transfers.trace_span("nvme_write", h.key, h.t_start, h.t_done, nbytes=h.nbytes)

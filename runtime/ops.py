@@ -28,7 +28,7 @@ Scheduled graphs split each transfer into a start returning a ticket and a wait 
     t = zinf.reduce(g, p, uid); t = zinf.wait_reduce(t, g, p, uid); zinf.wait_offload(t, g, uid)
     ts = zinf.gather_bucket([s1, s2], [u1, u2])         # bucket_bytes: one all-gather, a ticket each
     ts = zinf.reduce_bucket([g1, g2], [p1, p2], [u1, u2])  # and one reduce-scatter
-    zinf.carry(zinf.carry_ticket(k), outputs, k, uids)  # forward's end: the backward's first NVMe reads
+    zinf.carry(zinf.carry_ticket(k), outputs, k, stage, uids)  # a graph's end: the next one's first NVMe reads
 
 A wait takes the tensors its transfer reads (``shard``, ``g``) as arguments: that keeps them live in
 the graph until the transfer is done, so no compiler reuses their memory for a later result.
@@ -65,7 +65,7 @@ _lib.define("wait_offload(Tensor(a!) ticket, Tensor grad, int uid) -> ()")
 _lib.define("gather_bucket(Tensor[] shards, int[] uids) -> Tensor[]")
 _lib.define("reduce_bucket(Tensor[] grads, Tensor[] params, int[] uids) -> Tensor[]")
 _lib.define("carry_ticket(int key) -> Tensor")
-_lib.define("carry(Tensor(a!) ticket, Tensor[] after, int key, int[] uids) -> ()")
+_lib.define("carry(Tensor(a!) ticket, Tensor[] after, int key, str stage, int[] uids) -> ()")
 
 
 def _fetch_shard(param: torch.Tensor, uid: int, shard_numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -156,7 +156,8 @@ def _carry_ticket_fake(key: int) -> torch.Tensor:
 
 
 @torch.library.register_fake("zinf::carry")
-def _carry_fake(ticket: torch.Tensor, after: Sequence[torch.Tensor], key: int, uids: Sequence[int]) -> None:
+def _carry_fake(ticket: torch.Tensor, after: Sequence[torch.Tensor], key: int, stage: str,
+                uids: Sequence[int]) -> None:
     return None
 
 

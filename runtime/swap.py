@@ -42,6 +42,7 @@ import errno
 import fcntl
 import itertools
 import json
+import logging
 import mmap
 import os
 import queue
@@ -66,6 +67,8 @@ __all__ = ["SwapConfig", "SwapEngine", "SwapHandle", "SwapError", "SwapPathError
 ALIGN = 4096
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
+
+log = logging.getLogger("zinf_runtime.swap")
 
 class SwapError(OSError):
     """Base class of errors raised by the swap engine."""
@@ -196,6 +199,7 @@ class SwapHandle:
         self._error: Optional[BaseException] = None
         self._event = threading.Event()
         self._callbacks: list[Callable[[], None]] = []
+        self.t_start, self.t_done = time.perf_counter(), 0.0  # submitted, finished (perf_counter)
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -379,6 +383,8 @@ class SwapEngine:
                                 f"SwapConfig.nvme_path at an existing, writable directory on a fast local disk "
                                 f"(e.g. mkdir -p {root} && chmod u+rwx {root})") from e
         self._direct = cfg.direct_io
+        # called with each finished request, on a worker thread: the step trace's nvme_write lane
+        self.observer: Optional[Callable[[SwapHandle], None]] = None
         self._warned = False
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -765,6 +771,12 @@ class SwapEngine:
                 self._st["busy_s"] += time.perf_counter() - self._busy_since
                 self._idle.notify_all()
         h._data = None  # drop the tensor reference promptly
+        h.t_done = time.perf_counter()
+        if self.observer is not None:  # the step trace's nvme_write lane (runtime/context.py)
+            try:
+                self.observer(h)
+            except Exception:  # noqa: BLE001 - a trace must never fail the IO it watches
+                log.debug("swap observer failed", exc_info=True)
         with h._lock:
             h._event.set()
             cbs, h._callbacks = h._callbacks, []

@@ -87,3 +87,77 @@ def test_a_forward_without_backward_drops_its_carried_reads(tmp_path, reference)
     run = _train(tmp_path, {}, between=extra_forward)
     _same(reference, run)
     assert run[2]["dropped"] >= 1 and run[2]["adopted"] >= 1, run[2]
+
+
+class _Broken(torch.nn.Module):
+    """Three graphs in forward and three in backward: a graph break between each pair of blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 32),
+                                torch.nn.GELU(), torch.nn.Linear(32, 32))
+            for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks[0](x)
+        torch._dynamo.graph_break()  # not inside a loop: Dynamo resumes after a break, never mid-loop
+        x = self.blocks[1](x)
+        torch._dynamo.graph_break()
+        return self.blocks[2](x).square().mean()
+
+
+def _train_broken(tmp, options: dict, steps: int = 4, evals: int = 0):
+    tmp.mkdir()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Broken()
+    opts = {"compiler": "eager", "offload_params": "nvme", "offload_optimizer": "nvme", "nvme_path": str(tmp),
+            **options}
+    cm = torch.compile(model, backend="zinf", options=opts)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        loss = cm(torch.randn(8, 32, generator=gen))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with torch.no_grad():
+        for _ in range(evals):
+            losses.append(cm(torch.randn(8, 32, generator=gen)).item())
+    (ctx,) = zinf_runtime.contexts_of(model)
+    carry = carry_of(ctx.transfers) if "_carry" in ctx.transfers.__dict__ else None
+    counters = dict(carry.counters) if carry is not None else {}
+    return losses, zinf_compile.full_state_dict(model), counters, carry
+
+
+def test_reads_are_carried_across_graph_breaks_in_forward_and_backward(tmp_path):
+    """After the first step the stages' order is known (A fwd -> B fwd -> C fwd -> C bwd -> B bwd ->
+    A bwd), and each stage's end starts the next one's first reads, across the breaks too; the
+    numbers are those of a run that carries nothing."""
+    ref = _train_broken(tmp_path / "ref", {"disabled_passes": ("carry",)})
+    run = _train_broken(tmp_path / "run", {})
+    _same(ref, run)
+    c, carry = run[2], run[3]
+    stages = {s for s in carry.heads}
+    assert {st for _, st in stages} == {"forward", "backward"} and len(stages) == 6, stages
+    order = [k for k, _ in sorted((s for s in stages if s[1] == "forward"), key=lambda s: s[0])]
+    a, b, z = order
+    assert carry.next[(a, "forward")] == (b, "forward") and carry.next[(b, "forward")] == (z, "forward")
+    assert carry.next[(z, "backward")] == (b, "backward") and carry.next[(b, "backward")] == (a, "backward")
+    assert carry.target((a, "backward")) is None  # never across the optimizer step
+    # steps 2..4 each carry into B fwd, C fwd, B bwd and A bwd (4 crossings), every read adopted
+    assert c["across_graphs"] >= 3 * 4 and c["adopted"] == c["carried"] and c["stale"] == 0, c
+
+
+def test_an_eval_loop_carries_across_its_graphs(tmp_path):
+    """Under no_grad the inference graphs carry into each other, one batch into the next too."""
+    ref = _train_broken(tmp_path / "ref", {"disabled_passes": ("carry",)}, steps=1, evals=3)
+    run = _train_broken(tmp_path / "run", {}, steps=1, evals=3)
+    _same(ref, run)
+    c, carry = run[2], run[3]
+    assert any(st == "inference" for _, st in carry.heads)
+    inference_crossings = [s for s, t in carry.next.items() if s[1] == t[1] == "inference" and s[0] != t[0]]
+    assert len(inference_crossings) >= 2 and c["stale"] == 0 and c["adopted"] > 0, (carry.next, c)

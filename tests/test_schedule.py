@@ -221,7 +221,9 @@ def test_trace_shows_transfers_under_compute(tmp_path):
     _train({"offload_params": "nvme", "offload_optimizer": "nvme", "trace": str(path)}, steps=3, tmp=tmp_path)
     events = json.loads(path.read_text())["traceEvents"]
     lanes = {e["cat"] for e in events if e.get("ph") == "X"}
-    assert {"compute", "nvme_read", "h2d", "reduce_scatter", "d2h", "optimizer"} <= lanes, lanes
+    assert {"compute", "nvme_read", "nvme_write", "h2d", "reduce_scatter", "d2h", "optimizer"} <= lanes, lanes
+    writes = [e for e in events if e.get("cat") == "nvme_write"]
+    assert all(e["args"]["nbytes"] > 0 and e["dur"] >= 0 for e in writes), writes[:3]
     assert json.loads(path.read_text())["otherData"]["step"] == 1  # the second step, after compile
     names = {e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"}
     assert {"compute", "nvme_read", "nvme_write", "h2d", "d2h", "all_gather", "reduce_scatter", "optimizer"} <= names

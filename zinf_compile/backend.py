@@ -7,9 +7,9 @@ patching), then traces forward and backward with AOTAutograd and runs zinf's pas
     Dynamo graph --autocast, plan_tiling, [relayout_tiles: the store re-lays tiled weights],
         tile_matmul--> AOTAutograd joint graph
         --insert_fetch, mark_grads--> min-cut partition
-        forward:   sink_fetch -> insert_release -> plan_schedule -> schedule -> carry        -> Inductor (or eager)
-        backward:  sink_fetch -> reduce_grad -> insert_release -> plan_schedule -> schedule   -> Inductor (or eager)
-        inference: insert_fetch -> sink_fetch -> insert_release -> plan_schedule -> schedule  -> Inductor (or eager)
+        forward:   sink_fetch -> insert_release -> plan_schedule -> schedule -> carry                -> Inductor (or eager)
+        backward:  sink_fetch -> reduce_grad -> insert_release -> plan_schedule -> schedule -> carry -> Inductor (or eager)
+        inference: insert_fetch -> sink_fetch -> insert_release -> plan_schedule -> schedule -> carry -> Inductor (or eager)
 
 Every intermediate graph is kept in a ``CompileRecord`` (``zinf_compile.last_graphs()``) and, with
 ``dump_dir``, written out as code.
@@ -17,6 +17,7 @@ Every intermediate graph is kept in a ``CompileRecord`` (``zinf_compile.last_gra
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import sys
@@ -32,7 +33,7 @@ import zinf_runtime
 from . import _torch_compat, fallback, rendezvous
 from .config import Config
 from .passes.autocast import autocast_pass
-from .passes.carry import backward_heads, carry_pass
+from .passes.carry import carry_pass, graph_heads
 from .passes.insert_fetch import insert_fetch_pass
 from .passes.insert_release import insert_release_pass
 from .passes.mark_grads import mark_grads_pass
@@ -55,13 +56,14 @@ SCHEDULE_PASSES: List[Tuple[str, Pass]] = [("plan_schedule", plan_schedule_pass)
 FORWARD_PASSES: List[Tuple[str, Pass]] = [
     ("sink_fetch", sink_fetch_pass),
     ("insert_release", insert_release_pass),
-] + SCHEDULE_PASSES + [("carry", carry_pass)]
+] + SCHEDULE_PASSES + [("carry", functools.partial(carry_pass, stage="forward"))]
 BACKWARD_PASSES: List[Tuple[str, Pass]] = [
     ("sink_fetch", sink_fetch_pass),
     ("reduce_grad", reduce_grad_pass),
     ("insert_release", insert_release_pass),
-] + SCHEDULE_PASSES
-INFERENCE_PASSES: List[Tuple[str, Pass]] = [("insert_fetch", insert_fetch_pass)] + FORWARD_PASSES
+] + SCHEDULE_PASSES + [("carry", functools.partial(carry_pass, stage="backward"))]
+INFERENCE_PASSES: List[Tuple[str, Pass]] = [("insert_fetch", insert_fetch_pass)] + FORWARD_PASSES[:-1] + [
+    ("carry", functools.partial(carry_pass, stage="inference"))]
 
 
 def _source_text(node: torch.fx.Node) -> str:
@@ -340,8 +342,8 @@ def _compile_eager(gm: torch.fx.GraphModule, example_inputs: List[Any], ctx: Com
     def stage_compiler(stage: str, passes: List[Tuple[str, Pass]]) -> Callable:
         def compiler(g: torch.fx.GraphModule, inputs: Sequence[Any]) -> Callable:
             g = run_passes(g, inputs, passes, ctx=ctx, stage=stage)
+            _register_carry(g, ctx, stage)
             if stage == "backward":
-                _register_carry(g, ctx)
                 if ctx.record.dump_folder() is not None:
                     _dump_plan(ctx.record)
             return _torch_compat.make_boxed(g)
@@ -379,8 +381,8 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: List[Any], ctx: 
         else:
             stage, passes = "forward", FORWARD_PASSES
         g = run_passes(g, inputs, passes, ctx=ctx, stage=stage)
+        _register_carry(g, ctx, stage)
         if stage == "backward":
-            _register_carry(g, ctx)
             if ctx.record.dump_folder() is not None:
                 _dump_plan(ctx.record)
         return _torch_compat.inductor_compile_fx_inner(g, inputs, **kw)
@@ -390,10 +392,11 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: List[Any], ctx: 
         return _torch_compat.inductor_compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
 
-def _register_carry(g: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Tell the models' transfer engines which NVMe reads this graph's backward begins with, for the
-    forward's ``zinf.carry`` to start (the backend's doing, not a pass's: passes never touch the runtime)."""
-    heads = backward_heads(g)
+def _register_carry(g: torch.fx.GraphModule, ctx: CompileContext, stage: str) -> None:
+    """Tell the models' transfer engines which NVMe reads this graph stage begins with, for the
+    ``zinf.carry`` of the stage before it to start (the backend's doing, not a pass's: passes never
+    touch the runtime)."""
+    heads = graph_heads(g)
     if not heads or "carry" in ctx.cfg.disabled_passes:
         return
     from zinf_runtime.carry import carry_of
@@ -404,7 +407,7 @@ def _register_carry(g: torch.fx.GraphModule, ctx: CompileContext) -> None:
         if h is not None and h.context.transfers not in engines:
             engines.append(h.context.transfers)
     for eng in engines:
-        carry_of(eng).heads[ctx.record.id] = heads
+        carry_of(eng).heads[(ctx.record.id, stage)] = heads
 
 
 def _matches_params(phs: List[torch.fx.Node], ctx: CompileContext) -> bool:
