@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+from typing import Any, List, Tuple
 
 import pytest
 import sympy
@@ -314,3 +315,26 @@ def test_nvme_plan_counts_files_on_nvme_and_host_buffers_on_cpu(tmp_path):
     assert sum(files.values()) == plan.nvme_file_bytes()
     del cm, opt
     torch._dynamo.reset()
+
+
+def test_carried_reads_are_live_from_the_previous_stage_end(tmp_path):
+    """The backward's first NVMe reads are started by the forward's last op (``zinf.carry``): their
+    host buffers are planned from the forward's last step, not from the backward's top; without
+    carrying they start inside the backward."""
+    def read_buffers(options: dict) -> Tuple[Any, List[Any]]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        plan = zinf_compile.memory_plan(GPT(CFG), make_batch(CFG, 2, seed=0), offload_params="nvme",
+                                        offload_optimizer="nvme", nvme_path=str(folder), **options)
+        return plan, [iv for iv in plan.intervals if iv.role == "read_buffer" and iv.name.startswith("backward:")]
+
+    plan, bufs = read_buffers({})
+    (_, _, fwd_end), (_, bwd_start, _) = [r for r in plan.stage_ranges()][:2]
+    carried = [iv for iv in bufs if iv.start < bwd_start]
+    assert carried and all(iv.start == fwd_end for iv in carried), [(iv.name, iv.start) for iv in bufs]
+    assert len(carried) < len(bufs)  # only the heads: the later reads start inside the backward
+    plain, bufs = read_buffers({"disabled_passes": ("carry",)})
+    (_, _, _), (_, bwd_start, _) = [r for r in plain.stage_ranges()][:2]
+    assert bufs and all(iv.start >= bwd_start for iv in bufs)

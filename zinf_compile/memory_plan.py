@@ -21,7 +21,9 @@ tiers differ (``device``, ``cpu`` or ``nvme``). On ``nvme`` a shard is a file: i
 4096-byte padding of each file, i.e. what the swap folder holds), never on ``cpu``. What NVMe IO
 needs in host memory is the ``cpu`` tier's ``staging`` kind::
 
-    cpu     staging      read_buffer:  the host buffer a fetch reads a shard into (+ its cast), at the fetch
+    cpu     staging      read_buffer:  the host buffer a fetch reads a shard into (+ its cast), from the
+                                       read's start (a stage's first reads: from the previous stage's end,
+                                       which carries them, ``zinf_runtime.carry``) to the fetch
                          write_buffer: the host copy of a gradient shard an asynchronous write sends, from
                                        its reduce_grad to the end of the step (the runtime also caps the
                                        bytes in flight, ZINF_NVME_WRITE_INFLIGHT, so for big models this
@@ -95,7 +97,7 @@ from zinf_runtime.swap import ALIGN as SWAP_ALIGN
 
 from .analytic import human_bytes
 from .config import Config
-from .ops import FETCH_SHARD, REDUCE, REDUCE_BUCKET, REDUCE_GRAD, RELEASE, TICKET_OPS, WAIT_GATHER, WAIT_UPLOAD
+from .ops import CARRY, FETCH_SHARD, REDUCE, REDUCE_BUCKET, REDUCE_GRAD, RELEASE, TICKET_OPS, WAIT_GATHER, WAIT_UPLOAD
 from .pipeline import CompileRecord, compile_records
 
 Bytes = Union[int, sympy.Expr]
@@ -243,6 +245,7 @@ class _Builder:
         self.symbols: Dict[str, str] = {}
         self.END = -1
         self._saved: Dict[Tuple[int, str], Tuple] = {}  # (record id, name) of forward outputs -> value key
+        self._prev_stage: Optional[str] = None  # the stage added before this one (plan order)
 
     # -- one graph -----------------------------------------------------------------------------
     def add_graph(self, rec: CompileRecord, stage: str, gm: torch.fx.GraphModule, params: set, saved: set) -> None:
@@ -315,7 +318,12 @@ class _Builder:
                 born = pos[n.args[0]]  # the runtime allocates the buffer when the transfer starts
             add(_Val(key, n.name, born, end, end_node, role, 0 if parent else self._gathered_bytes(n, val),
                      parent, node=n))
-        self._runtime_nodes(rec, stage, nodes, pos)
+        # the previous stage's end starts this stage's first NVMe reads (zinf.carry), except from a
+        # backward into a forward, so their buffers are live from that end on
+        carried_from = first - 1 if first > 0 and any(n.target is CARRY for n in nodes) and not (
+            self._prev_stage == "backward" and stage != "backward") else None
+        self._runtime_nodes(rec, stage, nodes, pos, carried_from)
+        self._prev_stage = stage
 
     def _key_of(self, rid: int, stage: str, n: Optional[torch.fx.Node]) -> Optional[Tuple]:
         if n is None:
@@ -352,7 +360,7 @@ class _Builder:
 
     # -- runtime nodes: shards, gradient shards, reduce copies ---------------------------------
     def _runtime_nodes(self, rec: CompileRecord, stage: str, nodes: List[torch.fx.Node],
-                       pos: Dict[torch.fx.Node, int]) -> None:
+                       pos: Dict[torch.fx.Node, int], carried_from: Optional[int] = None) -> None:
         tiers = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
         tier = tiers[rec.config.offload_params]  # the parameter copy that fetches read
         otier = tiers[rec.config.offload_optimizer]  # fp32 master, gradient shard, optimizer state
@@ -378,6 +386,8 @@ class _Builder:
             if n.target is WAIT_UPLOAD:  # the NVMe read buffer is live from the read's start
                 load = n.args[0].args[4] if isinstance(n.args[0], torch.fx.Node) else None
                 read_at = pos.get(load, pos.get(n.args[0], read_at)) if load is not None else read_at
+                if carried_from is not None and load is not None and (load.meta.get("zinf") or {}).get("at", 0) < 0:
+                    read_at = carried_from
             if fetch:
                 shard_numel, dtype = args[2], args[3]
                 pdtype = h.dtype if h is not None else torch.float32
