@@ -76,9 +76,13 @@ def row_options(row: str, args: argparse.Namespace, nvme_path: str) -> Dict[str,
     opts.update(offload_params="nvme", offload_optimizer="nvme", nvme_path=nvme_path)
     if row == "serial":
         opts.update(prefetch_depths=(0, 0, 0), reduce_depths=(0, 0), optimizer_prefetch=False)
-    elif row == "overlap_opt":
+    else:
+        if args.prefetch_depths:  # scheduled and overlap_opt: other lookahead depths than the defaults
+            opts["prefetch_depths"] = tuple(int(d) for d in args.prefetch_depths.split(","))
+            opts["reduce_depths"] = tuple(int(d) for d in args.reduce_depths.split(","))
+    if row == "overlap_opt":
         opts["overlap_optimizer_step"] = True
-    elif args.trace:  # scheduled: the defaults, plus the trace if asked for
+    elif row == "scheduled" and args.trace:  # scheduled: the defaults, plus the trace if asked for
         opts["trace"] = os.path.abspath(args.trace)
     return opts
 
@@ -500,6 +504,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                    else os.cpu_count() or 1, help="torch threads, same in every row (default: all usable cores)")
     p.add_argument("--nvme-path", default=None, help="directory for the swap files (default: a temp dir in /tmp)")
+    p.add_argument("--prefetch-depths", default=None, metavar="NC,CG,GG",
+                   help="the scheduled rows' prefetch_depths (default: the Config's, 3,2,1)")
+    p.add_argument("--reduce-depths", default="1,2", metavar="RS,OFF",
+                   help="the scheduled rows' reduce_depths, with --prefetch-depths (default 1,2)")
     p.add_argument("--trace", default=None, metavar="PATH", help="pass option trace=PATH to the scheduled row")
     p.add_argument("--transfer-repeat", type=int, default=3, help="write+read runs of the transfer row (median)")
     p.add_argument("--row-timeout", type=float, default=3600, help="seconds before a row's process is killed")
