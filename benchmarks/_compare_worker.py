@@ -104,6 +104,10 @@ def _deepspeed(model: torch.nn.Module, offload: str, global_batch: int, nvme: st
         # buffer_size must hold the largest parameter (the tied embedding); DeepSpeed's default (1e8
         # elements x 5 buffers = 2 GB per rank) would only inflate its RSS on these models
         buf = _largest_param(model)
+        # DeepSpeed's default max_in_cpu (1e9 elements) keeps every parameter of a model this size in
+        # CPU memory and swaps only the optimizer state (row zinf-cpunvme-dp2 is zinf's like for
+        # like). max_in_cpu=0, the parameters on NVMe as in zinf-nvme, fails in fp32 at the large
+        # size: "expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16"
         zero["offload_param"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": 5, "buffer_size": buf}
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme}
     cfg = {
@@ -135,8 +139,10 @@ def _deepspeed(model: torch.nn.Module, offload: str, global_batch: int, nvme: st
 def _zinf(model: torch.nn.Module, offload: str, nvme: str) -> Tuple[Step, Dict[str, Any]]:
     import zinf_compile
 
-    options: Dict[str, Any] = {"offload_params": offload, "offload_optimizer": offload}
-    if offload == "nvme":
+    # "cpunvme": parameters in CPU memory, optimizer state (masters, moments, gradients) on NVMe
+    params, optim = ("cpu", "nvme") if offload == "cpunvme" else (offload, offload)
+    options: Dict[str, Any] = {"offload_params": params, "offload_optimizer": optim}
+    if optim == "nvme":
         options["nvme_path"] = nvme
     cmodel = torch.compile(model, backend="zinf", options=options)
     opt = zinf_compile.optim.AdamW(model.parameters(), **ADAMW)
@@ -201,6 +207,9 @@ def run(args: argparse.Namespace) -> None:
         if rank == 0:  # progress for the row's log (a timed-out row shows how far it got)
             print(f"step {i}: {times[-1]:.3f} s, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     hwm = _status_kib("VmHWM")
+    if args.nvme:  # what this row keeps on the disk: shows whether parameters really live there
+        notes["nvme_folder_bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.nvme)
+                                         for f in fs if os.path.isfile(os.path.join(d, f)))
     if world > 1:
         gathered: List[Any] = [None] * world
         dist.all_gather_object(gathered, (times, losses, hwm, setup_s))
