@@ -124,6 +124,7 @@ def test_kill_and_resume_across_dp_is_bitwise(tmp_path):
         assert_same(resumed["params"], straight["params"])
 
 
+@pytest.mark.slow  # CI time: make test-slow runs it
 def test_failed_save_keeps_previous_checkpoint(tmp_path):
     """A save killed half-way, or hitting a full disk, leaves the previous checkpoint complete and loadable."""
     ck = str(tmp_path / "ck")
@@ -213,6 +214,7 @@ def test_export_equals_full_state_dict_and_loads_eagerly(tmp_path, fmt):
         zinf_compile.export(path, cmodel, format="npz")
 
 
+@pytest.mark.slow  # CI time: make test-slow runs it
 def test_repeated_saves_do_not_leak(tmp_path):
     """10 saves of an NVMe-offloaded model (benchmarks/checkpoint_soak.py, shortened: 30 steps, a save every
     3): after 3 warm-up saves the open file descriptors are exactly constant, and RSS grows by less than a

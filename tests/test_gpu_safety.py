@@ -258,6 +258,7 @@ def test_gpu_check_imports_and_answers_help():
     assert proc.returncode == 0 and "--dry-run" in proc.stdout and "--out" in proc.stdout
 
 
+@pytest.mark.slow  # CI time: make test-slow runs it
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     out = tmp_path / "verdicts.json"
     proc = subprocess.run([sys.executable, GPU_CHECK, "--dry-run", "--out", str(out),

@@ -116,6 +116,7 @@ def _eager_dp_reference(name: str):
     return losses, model.state_dict(), grads, init, data[:1]
 
 
+@pytest.mark.slow  # CI time: the dp-2 fixture trains every model in two torchrun processes (about 50 s)
 @pytest.mark.parametrize("name", list(DP2), ids=[f"{m}-{p}-{o}" for m, (p, o) in DP2.items()])
 def test_hf_model_dp2_matches_single_process_eager(dp2_results, name):
     res = dp2_results[name]

@@ -242,6 +242,7 @@ def _swap_files(folder: str, timeout_s: float = 60.0) -> dict:
         time.sleep(0.05)
 
 
+@pytest.mark.slow  # CI time: make test-slow runs it
 def test_plan_matches_the_runtime_under_inductor():
     """compiler="inductor": the zinf figures are exact against the runtime's accounting, and the plan's
     step peak bounds the CPU allocator's measured peak from above (Inductor only fuses and reuses)."""
