@@ -254,13 +254,55 @@ class ParamHandle:
             self._compute.clear()
 
     def fetch_shard(self, dtype: torch.dtype) -> torch.Tensor:
-        """A private copy of this rank's shard on the compute device (never the master itself):
-        ``load_host`` then ``upload``, waiting for each (the serial path; graphs split it into
-        start/wait ops, ``zinf_runtime.transfer``)."""
+        """This rank's shard on the compute device: the slot itself where fetching would only copy
+        memory to the same memory (``shard_in_place``), else a private copy via ``load_host`` then
+        ``upload``, waiting for each (the serial path; graphs split it into start/wait ops,
+        ``zinf_runtime.transfer``)."""
+        alias = self.shard_in_place(dtype)
+        if alias is not None:
+            return alias
         host, read = self.load_host()
         if read is not None:
             read.wait()
         return self.upload(dtype, host)
+
+    def shard_in_place(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """The shard's own memory, to be read in place, when a fetch would only copy it within the
+        compute device's memory: at dp = 1, a memory-tier slot on the compute device already in
+        ``dtype`` (or its cached compute-dtype copy). None where a fetch moves bytes (NVMe, another
+        device) or feeds an all-gather (dp > 1: strict comm never lets a collective read a slot).
+
+        Why: at dp = 1 without offload (and with CPU offload on a CPU-only machine) the "upload" was
+        a full memcpy of every parameter, in forward and again in backward, plus an allocation and
+        its first-touch page faults, for nothing. Why it is safe to read the slot itself: nothing
+        writes a parameter slot while a graph runs. The optimizer steps after backward (its
+        overlapped step writes new tensors or shadow slots, never the committed master:
+        ``zinf_runtime.optim_overlap``), a graph writing a parameter falls back to eager, and
+        ``release`` of an in-place shard frees nothing. Inductor never reuses a fallback kernel's
+        output buffer for another tensor (its multi-output buffers alias their kernel), and
+        ``release`` keeps the shard live past its last reader, so no kernel writes into it in place.
+        On CUDA the shard is read on the current stream, in order with the optimizer's step there.
+        """
+        if not self.reads_in_place():
+            return None
+        src = (self.param_copy or self._whole()).resident_for_device()
+        if src.dtype != dtype:
+            src = self.shard_in(dtype)
+        _in_place[src.untyped_storage().data_ptr()] = weakref.ref(src)
+        self.context.transfers.counters["in_place"] = self.context.transfers.counters.get("in_place", 0) + 1
+        return src
+
+    def reads_in_place(self) -> bool:
+        """Whether a fetch reads the slot where it is (``shard_in_place``); the memory plan asks too.
+        At dp > 1 never: the shard would be a collective's input, and collectives never read a
+        slot's memory (``zinf_runtime.comm``, strict mode)."""
+        if self.world != 1 or self.master is None and self.param_copy is None:
+            return False
+        slot = self.param_copy or self.master
+        if slot.tier == "nvme" or slot.numel != self.shard_numel:
+            return False
+        src = slot.resident_for_device()
+        return src is not None and _same_device(src.device, self.placement.compute_device)
 
     def load_host(self) -> Tuple[Optional[torch.Tensor], Optional[SwapHandle]]:
         """NVMe tier: start reading this rank's shard into a pooled host buffer; returns the buffer
@@ -348,8 +390,11 @@ class ParamHandle:
 
     @staticmethod
     def release(full: torch.Tensor) -> None:
-        """Free a gathered parameter's storage now, whoever still holds a reference."""
+        """Free a gathered parameter's storage now, whoever still holds a reference (a shard read
+        in place, ``shard_in_place``, is the slot's memory: nothing to free)."""
         storage = full.untyped_storage()
+        if _is_in_place(storage):
+            return
         token = _live_gathered.pop(storage.data_ptr(), None)
         if storage.nbytes():
             storage.resize_(0)
@@ -609,6 +654,32 @@ def fused_copy_enabled(host: torch.Tensor, device_t: torch.Tensor) -> bool:
 # gathered buffers not yet released, by storage address: a graph that raises half-way drops its
 # buffers without reaching their release nodes, and the accounting must follow the memory
 _live_gathered: Dict[int, list] = {}  # ptr -> [nbytes, Accounting]
+
+
+# shards handed out to be read in place (``shard_in_place``), by storage address -> the slot tensor;
+# an address counts only while that very tensor is alive with that storage (no stale match)
+_in_place: Dict[int, "weakref.ref[torch.Tensor]"] = {}
+
+
+def _is_in_place(storage: torch.UntypedStorage) -> bool:
+    ptr = storage.data_ptr()
+    ref = _in_place.get(ptr)
+    t = ref() if ref is not None else None
+    if t is None:
+        if ref is not None:
+            _in_place.pop(ptr, None)
+        return False
+    return t.untyped_storage().data_ptr() == ptr and storage.nbytes() > 0
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` (the current device) are the same memory."""
+    if a.type != b.type:
+        return False
+    if a.index is None or b.index is None:
+        cur = torch.cuda.current_device() if a.type == "cuda" else 0
+        return (a.index if a.index is not None else cur) == (b.index if b.index is not None else cur)
+    return a.index == b.index
 
 
 def _track_gathered(buf: torch.Tensor, name: str, acct: accounting.Accounting) -> None:

@@ -302,6 +302,10 @@ def _upload(h: Any, eng: TransferEngine, dtype: torch.dtype, loaded: Optional[to
         if read is not None:  # an NVMe shard the schedule gave no read of its own: read it now
             load = Ticket("nvme_read", h.name, _nb(host), lambda: (read.wait(), host)[1], keep=(host,))
             load.engine = eng
+    if load is None:
+        alias = h.shard_in_place(dtype)
+        if alias is not None:  # nothing to move: the slot is read where it is
+            return eng.done("h2d", h.name, alias)
     out = h.new_shard(dtype)
     nbytes = _nb(out)
     if out.is_cuda:

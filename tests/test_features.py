@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import zinf_compile
+import zinf_runtime
 from zinf_compile.models import GPT, MLP, GPTConfig, make_batch
 
 from conftest import assert_grads_equal, assert_same_training, train_pair
@@ -60,16 +61,22 @@ def test_bf16_matches_eager_autocast():
     rec = zinf_compile.compile_records()[-1]
     assert rec.counters["gathered_in_compute_dtype"] > 0  # linear weights all-gathered in bf16
     fwd = rec.final("forward")
-    assert "torch.bfloat16" in fwd.code and "zinf.wait_upload" in fwd.code
+    # dp = 1 without offload: nothing moves, so the fetch stays one op (not a start and a wait) and
+    # reads the cached bf16 copy in place
+    assert "torch.bfloat16" in fwd.code and "zinf.fetch_shard" in fwd.code and "zinf.wait_upload" not in fwd.code
+    assert rec.counters["fetch_in_place"] > 0
 
 
-def test_graphs_hold_zinf_nodes_and_gathered_peak_is_bounded():
+def test_graphs_hold_zinf_nodes_and_gathered_peak_is_bounded(tmp_path):
+    """Parameters on NVMe, so every fetch moves bytes into a buffer of its own (at dp = 1 in memory a
+    fetch reads the shard in place: test_dp1_in_memory_fetches_read_in_place)."""
     cfg = GPTConfig(vocab=64, seq=16, layers=6, hidden=64, heads=4)
     model = GPT(cfg)
     total = sum(p.numel() * 4 for p in model.parameters())
     emb = model.tok.weight.numel() * 4 + model.pos.weight.numel() * 4
     assert emb <= 0.15 * total
-    cm = torch.compile(model, backend="zinf", options={"compiler": "eager"})
+    cm = torch.compile(model, backend="zinf", options={"compiler": "eager", "offload_params": "nvme",
+                                                       "nvme_path": str(tmp_path)})
     opt = zinf_compile.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = make_batch(cfg, 2, seed=0)
     cm(x, y).backward(); opt.step(); opt.zero_grad()  # compile
@@ -83,18 +90,53 @@ def test_graphs_hold_zinf_nodes_and_gathered_peak_is_bounded():
     fwd = [s for s in snaps if s.stage == "forward"][-1]
     bwd = [s for s in snaps if s.stage == "backward"][-1]
     n_params = len(list(model.parameters()))
-    # scheduled: each fetch is an upload start + wait, each gradient reduction a reduce start + waits
-    assert fwd.count("zinf.wait_upload") == n_params and fwd.count("zinf.release") == n_params
-    assert bwd.count("zinf.reduce.default") == bwd.count("zinf.wait_offload") == n_params
+    # scheduled: each fetch is a read + upload start + wait; the gradients stay on the device (the
+    # optimizer's tier), so each reduction is one op
+    assert fwd.count("zinf.load") == fwd.count("zinf.wait_upload") == n_params
+    assert fwd.count("zinf.release") == n_params
+    assert bwd.count("zinf.reduce_grad") == n_params and bwd.count("zinf.wait_offload") == 0
     assert bwd.count("zinf.wait_upload") == bwd.count("zinf.release") > 0
     # the forward saves no gathered parameter for backward: only 0-byte placeholders
     assert zinf_compile.compile_records()[-1].counters["gathered_escaped"] == 0
 
 
-def test_inductor_releases_every_gathered_parameter():
+def test_dp1_in_memory_fetches_read_in_place():
+    """dp = 1, parameters in the compute device's memory: a fetch hands out the shard itself (no
+    copy, no gathered bytes), the graph keeps one op per fetch and per gradient (nothing to
+    overlap), a release frees nothing, and the numbers are eager's (test_parity runs this setting)."""
+    cfg = GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    ref = copy.deepcopy(model)
+    cm = torch.compile(model, backend="zinf", options={"compiler": "eager"})
+    x, y = make_batch(cfg, 2, seed=0)
+    zinf_compile.reset_peak_memory_stats()
+    base = zinf_compile.memory_stats()["device"]["gathered"]["current"]
+    cm(x, y).backward()
+    ref(x, y).backward()
+    assert zinf_compile.memory_stats()["device"]["gathered"]["peak"] == base  # nothing was gathered
+    rec = zinf_compile.compile_records()[-1]
+    n_params = len(list(model.parameters()))
+    assert rec.counters["fetch_in_place"] > 0 and rec.counters["reduce_in_place"] == n_params
+    for stage in ("forward", "backward"):
+        code = rec.final(stage).code
+        assert "zinf.upload" not in code and "zinf.wait_upload" not in code and "zinf.reduce.default" not in code
+    assert rec.final("forward").code.count("zinf.fetch_shard") == n_params
+    full = zinf_compile.full_state_dict(model)
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        h = zinf_runtime.handle_of(p)
+        assert h.reads_in_place(), name
+        assert h.master.resident().untyped_storage().nbytes() > 0  # the releases freed nothing
+        assert torch.equal(full[name], q.detach()), name
+        # eager graphs keep eager's op order: bitwise (tests/conftest.py assert_grads_equal)
+        assert torch.equal(h.grad_values().view(p.shape), q.grad), name
+
+
+def test_inductor_releases_every_gathered_parameter(tmp_path):
     cfg = GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4)
     model = GPT(cfg)
-    cm = torch.compile(model, backend="zinf")
+    # on NVMe, so each fetch has a buffer of its own to release (in memory at dp 1 it reads in place)
+    cm = torch.compile(model, backend="zinf", options={"offload_params": "nvme", "nvme_path": str(tmp_path)})
     x, y = make_batch(cfg, 2, seed=0)
     zinf_compile.reset_peak_memory_stats()
     base = zinf_compile.memory_stats()["device"]["gathered"]["current"]
@@ -274,7 +316,8 @@ def test_dump_dir_holds_every_graph_and_the_memory_plan(tmp_path):
     code = (folder / next(g["file"] for g in index["graphs"] if g["pass"] == "insert_release")).read_text()
     assert "torch.ops.zinf.release.default" in code
     plan = _json.loads((folder / "plan.json").read_text())
-    assert plan["peaks"]["device"]["kinds"]["gathered"] > 0
+    assert plan["peaks"]["device"]["kinds"]["param"] > 0
+    assert plan["peaks"]["device"]["kinds"]["gathered"] == 0  # dp = 1 in memory: fetches read in place
 
 
 @pytest.mark.parity

@@ -41,6 +41,27 @@ def planned(tmp_path_factory):
     torch._dynamo.reset()
 
 
+@pytest.fixture(scope="module")
+def planned_nvme(tmp_path_factory):
+    """The same model with its parameters on NVMe (dp = 1), where every fetch copies into a buffer of
+    its own: the plan, and the gathered peak measured on the real model."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    x, y = make_batch(CFG, 2, seed=0)
+    opts = {"offload_params": "nvme", "offload_optimizer": "nvme"}
+    plan = zinf_compile.memory_plan(model, (x, y), nvme_path=str(tmp_path_factory.mktemp("plan")), **opts)
+    cm = torch.compile(model, backend="zinf", options={"compiler": "eager", "nvme_path": str(tmp_path_factory.mktemp("run")),
+                                                       **opts})
+    cm(x, y).backward()
+    zinf_compile.reset_peak_memory_stats()
+    base = zinf_compile.memory_stats()["device"]["gathered"]["current"]
+    cm(x, y).backward()
+    measured = zinf_compile.memory_stats()["device"]["gathered"]["peak"] - base
+    yield plan, measured
+    torch._dynamo.reset()
+
+
 def test_intervals_are_well_formed(planned):
     plan = planned[0]
     n = len(plan.steps)
@@ -70,8 +91,8 @@ def test_everything_is_freed_by_the_end(planned):
     assert [iv.role for iv in beyond] == ["output"] and beyond[0].nbytes == 4, beyond
 
 
-def test_gathered_intervals_end_at_their_release(planned):
-    plan = planned[0]
+def test_gathered_intervals_end_at_their_release(planned_nvme):
+    plan = planned_nvme[0]
     gathered = [iv for iv in plan.intervals if iv.kind == "gathered"]
     releases = [s for s in plan.steps if s.target == "zinf.release.default"]
     assert len(gathered) == len(releases) > 0
@@ -99,10 +120,12 @@ def test_tier_sums_equal_kind_sums(planned):
     assert plan.peak("cpu") == 0 and plan.peak("nvme") == 0
 
 
-def test_predicted_gathered_peak_equals_measured(planned):
-    plan, measured = planned[0], planned[1]
+def test_predicted_gathered_peak_equals_measured(planned, planned_nvme):
+    plan, measured = planned_nvme
     assert measured > 0
     assert plan.peak("device", "gathered") == measured
+    # in memory at dp = 1 every fetch reads its shard in place: nothing gathered, in plan and runtime
+    assert planned[0].peak("device", "gathered") == planned[1] == 0
 
 
 def test_offload_moves_shards_to_cpu_and_keeps_device_figures(planned):
@@ -118,10 +141,11 @@ def test_offload_moves_shards_to_cpu_and_keeps_device_figures(planned):
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())  # still partitioned
 
 
-def test_renderings_and_dump(planned, tmp_path):
+def test_renderings_and_dump(planned, planned_nvme, tmp_path):
     plan, _, dump = planned[0], planned[1], planned[2]
+    assert "device  gathered" in planned_nvme[0].table()
     text = plan.table()
-    assert "device  gathered" in text and "live at the device peak" in text
+    assert "live at the device peak" in text
     data = json.loads(plan.to_json())
     assert data["peaks"]["device"]["kinds"]["gathered"] == plan.peak("device", "gathered")
     assert len(data["timeline"]["device"]) == len(plan.steps)
@@ -167,7 +191,7 @@ def test_build_plan_needs_graphs():
     assert isinstance(MemoryPlan([], []).timeline(), list)
 
 
-def test_split_tiers_place_masters_and_parameter_copies(planned, tmp_path):
+def test_split_tiers_place_masters_and_parameter_copies(planned, planned_nvme, tmp_path):
     plan = planned[0]
     model, _, x, y = planned[3]
     split = zinf_compile.memory_plan(model, (x, y), offload_params="nvme", offload_optimizer="cpu",
@@ -176,7 +200,8 @@ def test_split_tiers_place_masters_and_parameter_copies(planned, tmp_path):
     assert split.peak("cpu", "param") == masters  # fp32 masters with the optimizer, on CPU
     assert split.peak("nvme", "param") == masters  # the fp32 parameter copy that fetches read, on NVMe
     assert split.peak("device", "param") == 0 and split.peak("nvme", "optim") == 0
-    assert split.peak("device", "gathered") == plan.peak("device", "gathered")
+    # the gathered bytes depend on where the parameters are, not on the optimizer's tier
+    assert split.peak("device", "gathered") == planned_nvme[0].peak("device", "gathered") > 0
 
 
 # -- the plan against the runtime: under Inductor, and on NVMe --------------------------------------

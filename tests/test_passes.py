@@ -9,6 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import zinf_compile
 import zinf_runtime
+from zinf_runtime.swap import SwapConfig
 from zinf_compile.config import Config
 from zinf_compile.passes.insert_fetch import insert_fetch_pass
 from zinf_compile.passes.insert_release import insert_release_pass
@@ -21,12 +22,17 @@ from zinf_compile.pipeline import CompileContext, ParamInfo, new_record
 aten = torch.ops.aten
 
 
-def partitioned(*shapes, seed=0):
-    """Real parameters partitioned into the store, and a full copy of each for reference."""
+def partitioned(*shapes, seed=0, nvme=None):
+    """Real parameters partitioned into the store, and a full copy of each for reference; on the
+    NVMe folder ``nvme`` if given (where a fetch copies into a buffer of its own), else on the device
+    (where, at dp = 1, a fetch reads the shard in place)."""
     torch.manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(*s)) for s in shapes]
     fulls = [p.detach().clone() for p in params]
     placement = zinf_runtime.Placement(tier="device", compute_device=torch.device("cpu"))
+    if nvme is not None:
+        placement = zinf_runtime.Placement(tier="nvme", compute_device=torch.device("cpu"),
+                                           swap=SwapConfig(nvme_path=str(nvme)))
     zinf_runtime.partition([(f"p{i}", p) for i, p in enumerate(params)], placement)
     return params, fulls
 
@@ -108,8 +114,8 @@ def test_insert_fetch_gathers_in_compute_dtype_when_every_use_casts():
     torch.testing.assert_close(gm(w, x)[0], x @ wf.bfloat16().t())
 
 
-def test_insert_release_after_last_reader_through_views():
-    (w,), (wf,) = partitioned((5, 3))
+def test_insert_release_after_last_reader_through_views(tmp_path):
+    (w,), (wf,) = partitioned((5, 3), nvme=tmp_path)
     gm = build(linear_graph, ((5, 3), torch.float32), ((4, 3), torch.float32))
     ctx = make_ctx([w], [0])
     gm = insert_fetch_pass(gm, [], ctx=ctx)

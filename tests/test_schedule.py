@@ -150,10 +150,12 @@ def _inflight(graph: torch.fx.Graph) -> int:
 
 
 def test_inflight_bytes_stay_under_the_cap(tmp_path):
-    *_, free = _train({"offload_params": "cpu"}, steps=1, tmp=tmp_path)
+    # NVMe: fetches move bytes (CPU memory is the compute device's own here: read in place, not scheduled)
+    *_, free = _train({"offload_params": "nvme"}, steps=1, tmp=tmp_path)
     uncapped = max(_inflight(g) for _, g in _graphs(free))
     cap = uncapped // 3
-    losses, grads, state, capped = _train({"offload_params": "cpu", "max_inflight_bytes": cap}, steps=1, tmp=tmp_path)
+    losses, grads, state, capped = _train({"offload_params": "nvme", "max_inflight_bytes": cap}, steps=1,
+                                          tmp=tmp_path)
     assert uncapped > 0
     for _, g in _graphs(capped):
         assert _inflight(g) <= cap
@@ -187,14 +189,16 @@ def test_serial_depths_reproduce_the_unscheduled_order(dp_options, tmp_path):
                 assert nodes[i - 1].target is REDUCE and nodes[i + 1].target is WAIT_OFFLOAD
 
 
-def test_dynamic_shapes_compile_once_and_match_eager():
+def test_dynamic_shapes_compile_once_and_match_eager(tmp_path):
     torch._dynamo.reset()
     cfg = GPTConfig(vocab=64, seq=32, layers=2, hidden=32, heads=2)
     torch.manual_seed(0)
     model = GPT(cfg)
     ref = copy.deepcopy(model)
     n0 = len(zinf_compile.compile_records())
-    cm = torch.compile(model, backend="zinf", dynamic=True, options={"compiler": "eager", "offload_params": "cpu"})
+    # parameters on NVMe, so the schedule has transfers to place (in memory at dp 1 nothing moves)
+    cm = torch.compile(model, backend="zinf", dynamic=True, options={"compiler": "eager", "offload_params": "nvme",
+                                                                     "nvme_path": str(tmp_path)})
     after_first = None
     for seq in (8, 12, 20):
         x, y = make_batch(GPTConfig(vocab=64, seq=seq, layers=2, hidden=32, heads=2), 2, seed=seq)

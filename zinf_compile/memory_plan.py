@@ -340,6 +340,10 @@ class _Builder:
 
     def _gathered_bytes(self, n: torch.fx.Node, val: torch.Tensor) -> Bytes:
         z = n.meta.get("zinf") or {}
+        if n.target in (FETCH_SHARD, WAIT_UPLOAD):  # a shard read in place allocates nothing
+            h = _handle(n.args[1] if n.target is FETCH_SHARD else n.args[2])
+            if h is not None and h.reads_in_place():
+                return 0
         if z.get("kind") == "all_gather" and z.get("owns_full"):  # the runtime's buffer is padded to dp
             h = _handle(z["uid"])
             if h is not None:

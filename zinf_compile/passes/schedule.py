@@ -110,11 +110,46 @@ def _inflight_cap(ctx: CompileContext) -> Optional[int]:
     return cap
 
 
+def _in_place(ctx: CompileContext) -> Tuple[set, set]:
+    """Parameters whose fetch moves nothing, and those whose gradient moves nothing (uids).
+
+    At dp = 1 a shard in the compute device's memory (the device tier, or the CPU tier when the
+    compute device is the CPU) is read where it lives (``ParamHandle.shard_in_place``) and, with the
+    optimizer's tier in that memory too, its gradient is added into a slot there: there is no
+    transfer to start early, and splitting the op into a start and a wait would only add a custom-op
+    call and cut Inductor's fusion at one more place. Tiles made by this compile (new uids) follow
+    the options."""
+    local = ("device", "cpu") if ctx.device_type == "cpu" else ("device",)
+    fetch: set = set()
+    grad: set = set()
+    for info in ctx.params.values():
+        if info.world != 1:
+            continue
+        uids = {info.uid} | {uid for uid, _, _ in info.parts}
+        if info.tier in local and _TIERS[ctx.cfg.offload_params] in local:  # tiles added here say "device"
+            fetch |= uids
+        if _TIERS[ctx.cfg.offload_optimizer] in local:
+            grad |= uids
+    return fetch, grad
+
+
+_TIERS = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
+
+
 def plan_schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
                        ctx: CompileContext) -> torch.fx.GraphModule:
     graph = gm.graph
     pos = positions(graph)
-    chains = find_chains(graph)
+    still_fetch, still_grad = _in_place(ctx)
+    local = ("device", "cpu") if ctx.device_type == "cpu" else ("device",)
+    everything_still = bool(ctx.params) and all(i.world == 1 for i in ctx.params.values()) \
+        and _TIERS[ctx.cfg.offload_params] in local
+    chains = []
+    for c in find_chains(graph):
+        if c.uid in still_fetch or (everything_still and c.uid not in {i.uid for i in ctx.params.values()}):
+            ctx.record.counters["fetch_in_place"] += 1
+        else:
+            chains.append(c)
     uses = sorted({c.use for c in chains}, key=pos.__getitem__)
     op_of = {u: k for k, u in enumerate(uses)}
     nc, cg, gg = ctx.cfg.prefetch_depths
@@ -141,7 +176,14 @@ def plan_schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
                          "gather_at": k - min(gg, depth), "bytes": c.nbytes}
         if depth < max(nc, cg, gg):
             ctx.record.counters["prefetch_capped"] += 1
-    reduces = [n for n in graph.nodes if is_zinf(n, REDUCE_GRAD)]
+    reduces = []
+    for n in graph.nodes:
+        if not is_zinf(n, REDUCE_GRAD):
+            continue
+        if n.args[2] in still_grad or (everything_still and _TIERS[ctx.cfg.offload_optimizer] in local):
+            ctx.record.counters["reduce_in_place"] += 1
+        else:
+            reduces.append(n)
     for j, n in enumerate(reduces):
         n.meta["zinf"]["schedule"] = {"grad": j, "wait_at": j + rd, "offload_at": j + max(rd, od)}
     if ctx.cfg.bucket_bytes:
