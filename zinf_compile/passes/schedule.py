@@ -15,6 +15,10 @@ shape. With the default depths ``(nvme, upload, gather) = (3, 2, 1)`` and ``redu
              r = reduce(g2, p2) ... wait_reduce(r, g2) after the next gradient,
              ... wait_offload after the one after that (the graph's end at the latest)
 
+Where nothing moves (dp = 1, the shard in the compute device's memory: it is read in place, and
+the gradient's slot is in that memory too) the fetch and the ``reduce_grad`` stay single ops: a
+start/wait pair would only add a custom-op call and split Inductor's fusion there.
+
 ``plan_schedule_pass`` only tags: each fetch node gets ``meta["zinf"]["schedule"] = {"op": k,
 "load_at", "upload_at", "gather_at"}`` (operator indices; negative: the graph's top) and each
 ``reduce_grad`` node ``{"grad": j, "wait_at", "offload_at"}``. A prefetch that would push the bytes
