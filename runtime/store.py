@@ -294,13 +294,20 @@ class ParamHandle:
 
     def reads_in_place(self) -> bool:
         """Whether a fetch reads the slot where it is (``shard_in_place``); the memory plan asks too.
-        At dp > 1 never: the shard would be a collective's input, and collectives never read a
+        Not under a ``device_memory_budget`` (below). At dp > 1 never: the shard would be a collective's input, and collectives never read a
         slot's memory (``zinf_runtime.comm``, strict mode)."""
         if self.world != 1 or self.master is None and self.param_copy is None:
+            return False
+        if self.context.accounting.budget is not None:
+            # under a device_memory_budget the user asked for fetched working memory bounded and
+            # accounted: each fetch stays a buffer of its own, counted against the budget and freed
+            # by its release
             return False
         slot = self.param_copy or self.master
         if slot.tier == "nvme" or slot.numel != self.shard_numel:
             return False
+        if slot.tier == "cpu" and os.environ.get("ZINF_FUSED_COPY") == "1":
+            return False  # the tests' stand-in for pinned host -> device: copied through the Triton kernels
         src = slot.resident_for_device()
         return src is not None and _same_device(src.device, self.placement.compute_device)
 

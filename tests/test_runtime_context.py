@@ -107,7 +107,9 @@ def test_memory_stats_per_model_and_process_wide():
     zinf_compile.reset_peak_memory_stats()
     torch.compile(m2, backend="zinf", options={"compiler": "eager"})(torch.randn(2, 16))
     assert zinf_compile.memory_stats(m1)["device"]["gathered"]["peak"] == 0
-    assert 0 < zinf_compile.memory_stats(m2)["device"]["gathered"]["peak"] <= bytes2
+    # dp 1 in memory: m2's fetches read its shards in place, so it gathers nothing either (the
+    # per-model gathered peak of a model that gathers: tests/test_features.py, NVMe parameters)
+    assert zinf_compile.memory_stats(m2)["device"]["gathered"]["peak"] == 0
 
 
 def test_compiled_tiled_model_is_freed_with_its_shards():

@@ -118,14 +118,16 @@ def test_matmul_forms():
 
 
 @pytest.mark.parametrize("depths,ahead", [((0, 0, 0), 0), ((3, 2, 1), 2)], ids=["serial", "lookahead"])
-def test_each_tile_is_its_own_unit_and_working_memory_shrinks(depths, ahead):
+def test_each_tile_is_its_own_unit_and_working_memory_shrinks(depths, ahead, tmp_path):
     peaks = {}
     for tiles in (1, 4):
         torch._dynamo.reset()
         torch.manual_seed(0)
         lin = nn.Linear(32, 256, bias=False)
+        # the weight on NVMe, so each tile's fetch is a buffer of its own (in memory at dp 1 it is read in place)
         cm = torch.compile(lin, backend="zinf", options={"compiler": "eager", "tiles": tiles, "tile_threshold_bytes": 0,
-                                                         "prefetch_depths": depths})
+                                                         "prefetch_depths": depths, "offload_params": "nvme",
+                                                         "nvme_path": str(tmp_path)})
         zinf_compile.reset_peak_memory_stats()
         base = zinf_compile.memory_stats()["device"]["gathered"]["current"]
         cm(torch.randn(8, 32)).sum().backward()

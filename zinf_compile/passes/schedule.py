@@ -124,6 +124,8 @@ def _in_place(ctx: CompileContext) -> Tuple[set, set]:
     call and cut Inductor's fusion at one more place. Tiles made by this compile (new uids) follow
     the options."""
     local = ("device", "cpu") if ctx.device_type == "cpu" else ("device",)
+    if ctx.cfg.device_memory_budget is not None:  # fetches then copy into budgeted buffers (ParamHandle.reads_in_place)
+        local = ()
     fetch: set = set()
     grad: set = set()
     for info in ctx.params.values():
@@ -145,7 +147,8 @@ def plan_schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
     graph = gm.graph
     pos = positions(graph)
     still_fetch, still_grad = _in_place(ctx)
-    local = ("device", "cpu") if ctx.device_type == "cpu" else ("device",)
+    local = ("device", "cpu") if ctx.device_type == "cpu" and ctx.cfg.device_memory_budget is None else (
+        ("device",) if ctx.cfg.device_memory_budget is None else ())
     everything_still = bool(ctx.params) and all(i.world == 1 for i in ctx.params.values()) \
         and _TIERS[ctx.cfg.offload_params] in local
     chains = []
