@@ -123,9 +123,7 @@ def _in_place(ctx: CompileContext) -> Tuple[set, set]:
     transfer to start early, and splitting the op into a start and a wait would only add a custom-op
     call and cut Inductor's fusion at one more place. Tiles made by this compile (new uids) follow
     the options."""
-    local = ("device", "cpu") if ctx.device_type == "cpu" else ("device",)
-    if ctx.cfg.device_memory_budget is not None:  # fetches then copy into budgeted buffers (ParamHandle.reads_in_place)
-        local = ()
+    local = _local_tiers(ctx)
     fetch: set = set()
     grad: set = set()
     for info in ctx.params.values():
@@ -142,13 +140,20 @@ def _in_place(ctx: CompileContext) -> Tuple[set, set]:
 _TIERS = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
 
 
+def _local_tiers(ctx: CompileContext) -> Tuple[str, ...]:
+    """Tiers in the compute device's own memory, where a dp-1 fetch reads in place; none under a
+    ``device_memory_budget`` (fetches then copy into budgeted buffers: ``ParamHandle.reads_in_place``)."""
+    if ctx.cfg.device_memory_budget is not None:
+        return ()
+    return ("device", "cpu") if ctx.device_type == "cpu" else ("device",)
+
+
 def plan_schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
                        ctx: CompileContext) -> torch.fx.GraphModule:
     graph = gm.graph
     pos = positions(graph)
     still_fetch, still_grad = _in_place(ctx)
-    local = ("device", "cpu") if ctx.device_type == "cpu" and ctx.cfg.device_memory_budget is None else (
-        ("device",) if ctx.cfg.device_memory_budget is None else ())
+    local = _local_tiers(ctx)
     everything_still = bool(ctx.params) and all(i.world == 1 for i in ctx.params.values()) \
         and _TIERS[ctx.cfg.offload_params] in local
     chains = []
