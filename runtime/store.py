@@ -475,7 +475,7 @@ class ParamHandle:
         for u in owner.units():
             if u.grad_slot.present:
                 u._grad_changed(None)
-            u.grad_slot.drop()
+            u.grad_slot.drop(keep_file=True)  # the next backward rewrites it: its file is overwritten
         owner._grad_view = ShardedGrad(p, owner)
         if current is not None:  # a full tensor the user assigned: it is the starting value
             owner._load_full_grad(current.detach())
@@ -617,7 +617,8 @@ class ParamHandle:
             return
         self._grad_changed(None)
         if set_to_none or self.grad_slot.tier == "nvme":
-            self.grad_slot.drop()  # an absent slot under a live view reads as zeros
+            # an absent slot under a live view reads as zeros; the next backward overwrites the file kept
+            self.grad_slot.drop(keep_file=True)
         else:
             self.grad_slot.resident().zero_()
         if set_to_none and self.parent is None:

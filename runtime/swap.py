@@ -18,9 +18,26 @@ into caller-owned tensors.  Design choices, and why:
   is kept in memory).  Page-aligned CPU tensors (e.g. pinned ones) skip the
   bounce copy, as does buffered IO.  Filesystems that reject O_DIRECT
   (EINVAL) fall back to buffered IO once, with a warning.
-* Crash safety.  Each write goes to ``<key>.v<N>.tmp`` and is renamed onto
-  the key's file only when complete, so a failed write (e.g. disk full)
-  leaves the previous version intact and removes its partial file.
+* Crash safety.  A write never touches the file that holds the key's
+  current version, so a failed write (e.g. disk full) leaves the previous
+  version intact:
+
+  - ``reuse_files=True`` (default): each key has two files, ``<key>.a`` and
+    ``<key>.b``.  A write overwrites the one *not* holding the current
+    version (the key's previous version, kept as a spare), and the key
+    flips to it once the write completed; which side is current lives in
+    memory (the folder never outlives the engine).  Why: overwriting
+    blocks a file already owns needs no allocation, no unwritten-extent
+    conversion and no create/rename/unlink, so the filesystem journal stays
+    out of the write path.  On this project's VM that made 1.3 MB writes
+    3-4x faster (``benchmarks/swap_bandwidth.py --rewrite``).  It costs up
+    to twice the disk space of keys written more than once, and a rewrite
+    can no longer run out of space once both files exist.
+  - ``reuse_files=False``: each write goes to ``<key>.v<N>.tmp``, renamed
+    onto the key's file when complete (one file per key, more metadata
+    work per write).
+
+  Either way a failed write removes a file it created and reverts the key.
 * Ordering.  Requests on the same key run in submission order (a read
   after a write sees the write); requests on different keys run
   concurrently.
@@ -107,6 +124,7 @@ class SwapConfig:
     buffer_size: int = 64 << 20  # ... of buffer_size bytes at most
     direct_io: bool = True  # O_DIRECT, falls back to buffered if unsupported
     checksum: bool = True  # crc32 of every block, kept in memory, verified on read
+    reuse_files: bool = True  # two files per key, the spare overwritten in place (see the module docstring)
 
     def __post_init__(self) -> None:
         def bad(field: str, fix: str) -> ValueError:
@@ -136,6 +154,8 @@ class SwapConfig:
             raise bad("direct_io", "use True or False")
         if not isinstance(self.checksum, bool):
             raise bad("checksum", "use True or False")
+        if not isinstance(self.reuse_files, bool):
+            raise bad("reuse_files", "use True or False")
 
 
 class _BouncePool:
@@ -194,6 +214,8 @@ class SwapHandle:
         self._fd = -1
         self._direct = self._opened_direct = False
         self._crcs: Optional[list[int]] = None  # per block: computed (write) or expected (read)
+        self._side: Optional[int] = None  # reuse_files: the file (0 = .a, 1 = .b) a write fills
+        self._created = False  # the write created its file (so a failure removes it)
         self._lock = threading.Lock()
         self._remaining = 0
         self._error: Optional[BaseException] = None
@@ -389,8 +411,9 @@ class SwapEngine:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._version = itertools.count(1)
-        # key -> (nbytes, file bytes, version, crc32 per block or None)
-        self._files: dict[str, tuple[int, int, int, Optional[list[int]]]] = {}
+        # key -> (nbytes, file bytes, version, crc32 per block or None, side or None)
+        self._files: dict[str, tuple[int, int, int, Optional[list[int]], Optional[int]]] = {}
+        self._spares: dict[str, tuple[int, int]] = {}  # reuse_files: key -> (side, file bytes) of its spare
         self._expect: dict[str, tuple[int, int]] = {}  # key -> (nbytes, version) of latest submitted write
         self._tail: dict[str, SwapHandle] = {}  # key -> last request, for per-key ordering
         self._inflight = 0
@@ -419,8 +442,6 @@ class SwapEngine:
             self._check_open()
             h = SwapHandle("write", key, data, next(self._version))
             self._expect[key] = (h.nbytes, h._version)
-            self._st["disk_bytes"] += _round_up(h.nbytes)
-            self._st["peak_disk_bytes"] = max(self._st["peak_disk_bytes"], self._st["disk_bytes"])
             prev = self._enqueue(h)
         self._chain(prev, h)
         return h
@@ -453,19 +474,26 @@ class SwapEngine:
         with self._lock:
             return self._expect[key][0]
 
-    def remove(self, key: str) -> None:
-        """Delete ``key``; waits for its pending requests first."""
+    def remove(self, key: str, keep_file: bool = False) -> None:
+        """Delete ``key``; waits for its pending requests first.
+
+        ``keep_file`` (with ``reuse_files``): the key is gone all the same (``exists`` is False, reads
+        fail), but its current file stays as its spare, for a key that will be written again with
+        the same size (a gradient after ``zero_grad``), so that write overwrites in place."""
         while True:
             with self._lock:
                 self._check_open()
                 tail = self._tail.get(key)
                 if tail is None:
                     self._expect.pop(key, None)
-                    ent = self._files.pop(key, None)
-                    if ent is not None:
-                        self._st["disk_bytes"] -= ent[1]
+                    ent, spare = self._files.pop(key, None), self._spares.pop(key, None)
+                    if keep_file and ent is not None and ent[4] is not None:
+                        self._spares[key] = (ent[4], ent[1])
+                        ent = None
+                    for side, size in ([(ent[4], ent[1])] if ent is not None else []) + ([spare] if spare else []):
+                        self._st["disk_bytes"] -= size
                         try:
-                            os.unlink(self._file(key))
+                            os.unlink(self._path_of(key, side))
                         except FileNotFoundError:
                             pass
                     return
@@ -517,10 +545,20 @@ class SwapEngine:
     def _bytes_of(t: torch.Tensor) -> torch.Tensor:
         return t.detach().reshape(-1).view(torch.uint8)
 
-    def _file(self, key: str) -> str:
-        # quote() leaves '.' alone; escape it so '<name>.v<N>.tmp' can't collide with a key.
+    def _base(self, key: str) -> str:
+        # quote() leaves '.' alone; escape it so '<name>.v<N>.tmp' or '<name>.a' can't collide with a key.
         name = urllib.parse.quote(key, safe="").replace(".", "%2E")
         return os.path.join(self.dir, "k_" + name)
+
+    def _path_of(self, key: str, side: Optional[int]) -> str:
+        """The file of one side of ``key`` (``None``: the single file of ``reuse_files=False``)."""
+        return self._base(key) if side is None else f"{self._base(key)}.{'ab'[side]}"
+
+    def _file(self, key: str) -> str:
+        """The file holding ``key``'s current version (where reads go)."""
+        with self._lock:
+            ent = self._files.get(key)
+        return self._path_of(key, ent[4] if ent is not None else (0 if self.cfg.reuse_files else None))
 
     def _enqueue(self, h: SwapHandle) -> Optional[SwapHandle]:
         """Register ``h`` as the key's newest request (lock held); return its predecessor."""
@@ -558,17 +596,32 @@ class SwapEngine:
     def _start(self, h: SwapHandle) -> None:
         """Open the request's file and queue its chunks (runs once its predecessor is done)."""
         try:
+            padded = _round_up(h.nbytes)
             if h.kind == "write":
-                final = self._file(h.key)
-                h._path = f"{final}.v{h._version}.tmp"
                 flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                with self._lock:  # the key's earlier requests are done: its files are settled
+                    if self.cfg.reuse_files:
+                        ent, spare = self._files.get(h.key), self._spares.pop(h.key, None)
+                        h._side = spare[0] if spare is not None else 0 if ent is None else 1 - ent[4]
+                        if spare is not None and spare[1] == padded:  # overwrite the spare in place
+                            flags &= ~(os.O_CREAT | os.O_EXCL)
+                        elif spare is not None:  # another size: replaced by a new file
+                            self._st["disk_bytes"] -= spare[1]
+                            os.unlink(self._path_of(h.key, h._side))
+                        h._path = self._path_of(h.key, h._side)
+                    else:
+                        h._path = f"{self._base(h.key)}.v{h._version}.tmp"
+                    h._created = bool(flags & os.O_CREAT)
+                    if h._created:
+                        self._st["disk_bytes"] += padded
+                        self._st["peak_disk_bytes"] = max(self._st["peak_disk_bytes"], self._st["disk_bytes"])
             else:
                 with self._lock:
                     ent = self._files.get(h.key)
                 if ent is None or ent[0] != h.nbytes:
                     raise KeyError(f"swap key {h.key!r} has no readable version of {h.nbytes} bytes "
                                    f"(a preceding write failed?)")
-                h._path = self._file(h.key)
+                h._path = self._path_of(h.key, ent[4])
                 h._crcs = ent[3]
                 flags = os.O_RDONLY | os.O_CLOEXEC
             h._direct = h._opened_direct = self._direct
@@ -580,7 +633,7 @@ class SwapEngine:
                 self._fallback(h._path, e)
                 h._direct = h._opened_direct = False
                 h._fd = self._sys_open(h._path, flags & ~os.O_EXCL)  # the failed open may have created it
-            if h.kind == "write" and h.nbytes:
+            if h.kind == "write" and h.nbytes and h._created:
                 try:  # reserve space up front: early ENOSPC, and parallel O_DIRECT writes skip the inode lock
                     os.posix_fallocate(h._fd, 0, _round_up(h.nbytes))
                 except OSError as e:
@@ -729,24 +782,30 @@ class SwapEngine:
         padded = _round_up(h.nbytes)
         with self._lock:
             if h.kind == "write":
-                if h._error is None:
+                if h._error is None and h._side is None:
                     try:
-                        os.replace(h._path, self._file(h.key))
+                        os.replace(h._path, self._base(h.key))
                     except OSError as e:
                         h._error = e
                 if h._error is None:
                     old = self._files.get(h.key)
-                    self._files[h.key] = (h.nbytes, padded, h._version, h._crcs)
-                    self._st["disk_bytes"] -= old[1] if old else 0
+                    self._files[h.key] = (h.nbytes, padded, h._version, h._crcs, h._side)
+                    if h._side is None:
+                        self._st["disk_bytes"] -= old[1] if old else 0
+                    elif old is not None:  # the previous version's file is the next write's spare
+                        self._spares[h.key] = (old[4], old[1])
                     self._st["bytes_written"] += h.nbytes
                     self._st["writes"] += 1
                 else:
-                    self._st["disk_bytes"] -= padded
-                    if h._path:
-                        try:
-                            os.unlink(h._path)
-                        except OSError:
-                            pass
+                    if h._created:
+                        self._st["disk_bytes"] -= padded
+                        if h._path:
+                            try:
+                                os.unlink(h._path)
+                            except OSError:
+                                pass
+                    else:  # an overwritten spare stays the spare (its bytes are garbage, never read)
+                        self._spares[h.key] = (h._side, padded)
                     if self._expect.get(h.key, (0, 0))[1] == h._version:  # no newer write: revert
                         old = self._files.get(h.key)
                         if old is None:

@@ -295,8 +295,10 @@ class Slot:
                     self.accounting.sub("nvme", self.kind, self.nbytes)
                 raise
 
-    def drop(self) -> None:
-        """Free the slot's memory or file (after device work still using the memory)."""
+    def drop(self, keep_file: bool = False) -> None:
+        """Free the slot's memory or file (after device work still using the memory). ``keep_file``: the
+        value is gone, but the swap engine keeps its file for the slot's next write to overwrite
+        (``SwapEngine.remove``), for a slot rewritten soon with the same size (a gradient)."""
         self.version += 1
         if self._mem is not None:
             self.fence.wait()  # pinned memory freed under a running kernel could be handed out again
@@ -306,6 +308,6 @@ class Slot:
             self._pending = None
             self._pending_buffer = None
             self.ctx.writes.untrack(self)
-            self.swap.remove(self.key)
+            self.swap.remove(self.key, keep_file=keep_file)
             self.accounting.sub("nvme", self.kind, self.nbytes)
             self._written = False

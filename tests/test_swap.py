@@ -31,9 +31,10 @@ def small_cfg(path, **kw) -> SwapConfig:
     return SwapConfig(nvme_path=str(path), **kw)
 
 
-@pytest.fixture
-def eng(tmp_path):
-    e = SwapEngine(small_cfg(tmp_path))
+@pytest.fixture(params=[True, False], ids=["reuse", "replace"])
+def eng(tmp_path, request):
+    """Both write modes: ``reuse_files`` (two files per key, the spare overwritten) and tmp + rename."""
+    e = SwapEngine(small_cfg(tmp_path, reuse_files=request.param))
     yield e
     e.close()
 
@@ -147,7 +148,46 @@ def test_overwrite_keeps_latest_and_orders_per_key(eng):
     hr.wait()
     assert torch.equal(out_b, b[:-5]) and torch.equal(out_c, c)
     assert eng.nbytes("k") == c.numel() and eng.stats()["keys"] == 1
-    assert sorted(os.listdir(eng.dir)) == [".lock", ".owner", "k_k"]  # no stale versions
+    # no stale versions: the current file, and with reuse_files the spare (b's, as c changed size again)
+    want = ["k_k.a", "k_k.b"] if eng.cfg.reuse_files else ["k_k"]
+    assert sorted(os.listdir(eng.dir)) == [".lock", ".owner", *want]
+    assert eng.stats()["disk_bytes"] == sum(os.path.getsize(os.path.join(eng.dir, n)) for n in want)
+
+
+def test_reuse_files_overwrites_the_spare_in_place(tmp_path):
+    """reuse_files: from the third write on, a key's writes land in its two files, alternating, with
+    no new file (same inodes, so no allocation); remove(keep_file=True) forgets the value and keeps
+    one file, which the next write overwrites."""
+    e = SwapEngine(small_cfg(tmp_path, reuse_files=True))
+    try:
+        vals = [rand_tensor(200 * KIB, torch.uint8, seed=i) for i in range(5)]
+        e.write("k", vals[0])
+        e.write("k", vals[1]).wait()
+        inodes = {n: os.stat(os.path.join(e.dir, n)).st_ino for n in ("k_k.a", "k_k.b")}
+        disk = e.stats()["disk_bytes"]
+        for i, v in enumerate(vals[2:], start=2):
+            e.write("k", v).wait()
+            out = torch.empty_like(v)
+            e.read("k", out).wait()
+            assert torch.equal(out, v), i
+            assert e._file("k").endswith("ab"[i % 2]), i  # current side alternates
+            assert {n: os.stat(os.path.join(e.dir, n)).st_ino for n in inodes} == inodes, i
+            assert e.stats()["disk_bytes"] == disk == 2 * 200 * KIB
+        e.remove("k", keep_file=True)
+        assert not e.exists("k") and e.stats()["disk_bytes"] == 200 * KIB
+        with pytest.raises(KeyError):
+            e.read("k", torch.empty_like(vals[0]))
+        (kept,) = [n for n in os.listdir(e.dir) if n.startswith("k_")]
+        ino = os.stat(os.path.join(e.dir, kept)).st_ino
+        e.write("k", vals[0]).wait()
+        assert os.listdir(e.dir).count(kept) == 1 and os.stat(os.path.join(e.dir, kept)).st_ino == ino
+        out = torch.empty_like(vals[0])
+        e.read("k", out).wait()
+        assert torch.equal(out, vals[0]) and e.stats()["disk_bytes"] == 200 * KIB
+        e.remove("k")
+        assert not [n for n in os.listdir(e.dir) if n.startswith("k_")] and e.stats()["disk_bytes"] == 0
+    finally:
+        e.close()
 
 
 def test_long_same_key_chain_and_failed_write_then_read(eng):
@@ -313,10 +353,11 @@ def check_space_failure(e: SwapEngine, err: BaseException, old: torch.Tensor, ot
     assert e.nbytes("a") == old.numel() * old.element_size()
 
 
-@pytest.mark.parametrize("direct,limit,falloc", [(True, 2 * MIB, True), (True, 2 * MIB + 100, False),
-                                                  (False, 2 * MIB + 100, False)])
-def test_out_of_space_rlimit_fsize(tmp_path, direct, limit, falloc):
-    """falloc=False: fallocate unsupported, so the limit hits mid-write (short write, then EFBIG)."""
+@pytest.mark.parametrize("direct,limit,falloc,reuse", [(True, 2 * MIB, True, True), (True, 2 * MIB + 100, False, True),
+                                                        (False, 2 * MIB + 100, False, False)])
+def test_out_of_space_rlimit_fsize(tmp_path, direct, limit, falloc, reuse):
+    """falloc=False: fallocate unsupported, so the limit hits mid-write (short write, then EFBIG).
+    With reuse_files the recovered write keeps the old version's file as its spare."""
     # RLIMIT_FSIZE caps each file; with SIGXFSZ ignored the kernel returns EFBIG like a full disk.
     head = textwrap.dedent("""
         import errno, os, resource, signal, torch
@@ -328,7 +369,8 @@ def test_out_of_space_rlimit_fsize(tmp_path, direct, limit, falloc):
         if not {falloc}:
             os.posix_fallocate = no_falloc
         e = SwapEngine(SwapConfig({str(tmp_path)!r}, block_size=1 << 20, queue_depth=4,
-                                  buffer_size=4 << 20, buffer_count=1, direct_io={direct}))
+                                  buffer_size=4 << 20, buffer_count=1, direct_io={direct},
+                                  reuse_files={reuse}))
         g = torch.Generator().manual_seed(0)
         old = torch.randn(100_000, generator=g)
         other = torch.randn(333_333, generator=g)
@@ -346,7 +388,8 @@ def test_out_of_space_rlimit_fsize(tmp_path, direct, limit, falloc):
         big = torch.randn(5 << 20, generator=g)
         e.write("a", big).wait()  # recovers once space is back
         out = torch.empty_like(big); e.read("a", out).wait(); assert torch.equal(out, big)
-        assert e.stats()["disk_bytes"] == (20 << 20) + (333_333 * 4 + 4095) // 4096 * 4096
+        spare = (400_000 + 4095) // 4096 * 4096 if {reuse} else 0  # reuse_files: old's file, the next spare
+        assert e.stats()["disk_bytes"] == (20 << 20) + (333_333 * 4 + 4095) // 4096 * 4096 + spare
         e.close()
         print("OK")
     """))

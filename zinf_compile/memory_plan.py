@@ -72,9 +72,8 @@ the next twice.
 
 from __future__ import annotations
 
-import dataclasses
-
 import copy
+import dataclasses
 import inspect as pyinspect
 import itertools
 import json
@@ -159,6 +158,9 @@ class Interval:
     end_node: str  # "<stage>:<node>" whose step frees it ("end" for the end of the step)
     aliases: Tuple[str, ...] = ()
     param: Optional[str] = None
+    # NVMe shards: files holding it on disk in steady training (2: rewritten every step under
+    # nvme_reuse_files, which keeps the previous version's file as the next write's spare)
+    files: int = 1
 
 
 def _expr(x: Any) -> Bytes:
@@ -233,6 +235,7 @@ class _Builder:
 
     def __init__(self, optimizer: Optional[str], hold_saved: bool = True):
         self.hold_saved = hold_saved
+        self.reuse_files = False  # from the records' config (_runtime_nodes)
         self.stage_last: Dict[Tuple[int, str], int] = {}
         if optimizer not in _OPTIM_BYTES:
             raise ValueError(f"memory_plan: optimizer {optimizer!r} unknown; choose one of {list(_OPTIM_BYTES)}")
@@ -366,6 +369,7 @@ class _Builder:
     def _runtime_nodes(self, rec: CompileRecord, stage: str, nodes: List[torch.fx.Node],
                        pos: Dict[torch.fx.Node, int], carried_from: Optional[int] = None) -> None:
         tiers = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
+        self.reuse_files = rec.config.nvme_reuse_files
         tier = tiers[rec.config.offload_params]  # the parameter copy that fetches read
         otier = tiers[rec.config.offload_optimizer]  # fp32 master, gradient shard, optimizer state
         for n in nodes:
@@ -442,6 +446,14 @@ class _Builder:
             self.extra.append(Interval(f"{stage}:{n.name}", "device", "grad_buffer", "reduce_copy", copy_bytes,
                                        pos[n], pos[n], f"{stage}:{n.name}", (), param))
 
+    def _files(self, iv: Interval, rewritten: set) -> int:
+        """Files an NVMe shard keeps on disk in steady training: two for a key rewritten every step
+        (gradients, optimizer state, and the master of a parameter that gets gradients) when the swap
+        engine reuses files (``nvme_reuse_files``), else one."""
+        if iv.tier != "nvme" or iv.role != "shard" or not self.reuse_files:
+            return 1
+        return 2 if iv.kind in ("grad", "optim") or iv.param in rewritten else 1
+
     def _once(self, key: Tuple, iv: Interval) -> None:
         if key not in self.seen:
             self.seen.add(key)
@@ -505,8 +517,9 @@ class _Builder:
                                 max(end, root.start), end_node,
                                 tuple(f"{m.key[1]}:{m.name}" for m in members if m is not root),
                                 z.get("param")))
-        out += _cap_write_buffers([Interval(iv.name, iv.tier, iv.kind, iv.role, iv.nbytes, iv.start, fix(iv.end),
-                                            iv.end_node, iv.aliases, iv.param) for iv in self.extra])
+        rewritten = {iv.param for iv in self.extra if iv.tier == "nvme" and iv.kind == "grad"}
+        out += _cap_write_buffers([dataclasses.replace(iv, end=fix(iv.end), files=self._files(iv, rewritten))
+                                   for iv in self.extra])
         out.sort(key=lambda iv: (iv.start, iv.name))
         return MemoryPlan(self.steps, out, dict(self.symbols), graphs)
 
@@ -620,17 +633,19 @@ class MemoryPlan:
         return self._cache[key][0]
 
     def nvme_file_bytes(self, kind: Optional[str] = None) -> Bytes:
-        """Peak bytes of the NVMe tier's files on disk: each shard's file is padded to the swap engine's
-        O_DIRECT alignment (4096 bytes), so this is what ``du`` of the swap folder shows, not the payload
-        that ``peak("nvme")`` and the runtime's accounting count."""
+        """Peak bytes of the NVMe tier's files on disk in steady training: each shard's file is padded to
+        the swap engine's O_DIRECT alignment (4096 bytes), and with ``nvme_reuse_files`` (the default) a
+        shard rewritten every step has two files (its current version and the spare its next write
+        overwrites). So this is what ``du`` of the swap folder shows from the second step on, not the
+        payload that ``peak("nvme")`` and the runtime's accounting count."""
         diff: List[Bytes] = [0] * (len(self.steps) + 1)
         for iv in self.intervals:
             if iv.tier == "nvme" and (kind is None or iv.kind == kind):
                 nb = iv.nbytes
                 padded = sympy.ceiling(nb / SWAP_ALIGN) * SWAP_ALIGN if _is_sym(nb) else \
                     -(-int(nb) // SWAP_ALIGN) * SWAP_ALIGN
-                diff[iv.start] += padded
-                diff[iv.end + 1] -= padded
+                diff[iv.start] += padded * iv.files
+                diff[iv.end + 1] -= padded * iv.files
         cur: Bytes = 0
         line: List[Bytes] = []
         for d in diff[:-1]:
@@ -674,8 +689,7 @@ class MemoryPlan:
                 raise ValueError(f"evaluate: give a value for {sorted(map(str, y.free_symbols))} ({self.symbols})")
             return int(y)
 
-        ivs = [Interval(iv.name, iv.tier, iv.kind, iv.role, ev(iv.nbytes), iv.start, iv.end, iv.end_node,
-                        iv.aliases, iv.param) for iv in self.intervals]
+        ivs = [dataclasses.replace(iv, nbytes=ev(iv.nbytes)) for iv in self.intervals]
         return MemoryPlan(self.steps, ivs, {}, self.graphs)
 
     # -- rendering -------------------------------------------------------------------------------
