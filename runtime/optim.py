@@ -189,12 +189,12 @@ class ShardedOptimizerMixin:
         """Make a unit's speculatively stepped NVMe shadows its master and moment slots."""
         old = u.master
         u.master = e.shadows.pop("master")
-        old.drop()
+        old.drop(keep_file=True)  # the next shadow takes this key again (optim_overlap._other_key)
         for name, slot in e.shadows.items():
             prev = u.optim_slots.get(name)
             u.optim_slots[name] = slot
             if prev is not None:
-                prev.drop()
+                prev.drop(keep_file=True)
         e.shadows = {}
         u.optim_small.update(e.new_state)
         e.new_state = {}

@@ -56,7 +56,6 @@ compute stream; only ``cpu`` and ``nvme`` optimizer tiers take part.
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
 import time
 import weakref
@@ -167,7 +166,6 @@ class OptimizerOverlap:
         self._group_of: Dict[int, int] = {}
         self._jobs: List[Job] = []
         self._lane: Optional[Lane] = None
-        self._gen = itertools.count(1)
         self.held_bytes = 0
         self.peak_held_bytes = 0
         self.cap_bytes = 0
@@ -284,15 +282,16 @@ class OptimizerOverlap:
             state.update({k: (v.clone() if torch.is_tensor(v) else v) for k, v in u.optim_small.items()})
             new = step_on_copies(opt, e.gi, hp, master, e.grad, state)
             ctx = _PrivateWrites(u.context)
-            gen = next(self._gen)
             shadow = tiers.Slot("nvme", "param", u.shard_numel, torch.float32, torch.device("cpu"), u.master.swap,
-                                f"u{u.uid}.master.s{gen}", u.master.pin, ctx)  # type: ignore[arg-type]
+                                _other_key(u.master.key), u.master.pin, ctx)  # type: ignore[arg-type]
             shadow.set(master, donate=True, recycle=True)
             e.shadows["master"] = shadow
             for name, value in new.items():
                 if torch.is_tensor(value) and value.numel() == u.shard_numel:
+                    cur = u.optim_slots.get(name)
+                    key = _other_key(cur.key) if cur is not None else f"u{u.uid}.optim.{name}"
                     s = tiers.Slot("nvme", "optim", u.shard_numel, value.dtype, torch.device("cpu"), u.master.swap,
-                                   f"u{u.uid}.optim.{name}.s{gen}", u.master.pin, ctx)  # type: ignore[arg-type]
+                                   key, u.master.pin, ctx)  # type: ignore[arg-type]
                     s.set(value, donate=True, recycle=name in reads)
                     e.shadows[name] = s
                 else:
@@ -405,9 +404,19 @@ class OptimizerOverlap:
             for t, _ in e.states.values():
                 pool.release(t)
         for s in e.shadows.values():
-            s.drop()
+            s.drop(keep_file=True)  # the unit's next speculation writes this key again: overwrite its file
         e.grad = e.master = None
         e.states, e.shadows, e.new_state = {}, {}, {}
+
+
+def _other_key(key: str) -> str:
+    """The swap key of a shadow of the slot keyed ``key``: the unit's slots alternate between two keys
+    per state (``u7.master`` and ``u7.master.s``), so a shadow never writes the current version's key,
+    and with ``nvme_reuse_files`` each write overwrites a file the key already owns (a dropped
+    shadow or a committed-over slot keeps its file, ``Slot.drop(keep_file=True)``). The lane runs a
+    unit's speculations one after another, and a voided one is released before the next starts, so
+    two live shadows never share a key."""
+    return key[:-2] if key.endswith(".s") else key + ".s"
 
 
 def _unit_state(opt: Any, u: Any) -> Dict[str, Any]:

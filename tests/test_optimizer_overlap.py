@@ -71,6 +71,21 @@ def test_overlapped_step_is_bitwise_the_plain_step(tier, name, tmp_path):
     assert stats.get("committed", 0) > 0 and not stats.get("rolled_back"), stats
 
 
+def test_overlapped_nvme_steps_overwrite_their_swap_files(tmp_path):
+    """Shadows alternate between two keys per state and dropped ones keep their file, so once every
+    key has its file, a step creates no file (the same inodes: every write overwrites, nvme_reuse_files)."""
+    seen = []
+
+    def inodes(opt, i):
+        seen.append({(f.name, f.stat().st_ino) for f in tmp_path.rglob("k_*")})
+
+    ref, _, _ = train("nvme", tmp_path, PLAIN, steps=6)
+    got, stats, _ = train("nvme", tmp_path, OVERLAP, steps=6, between=inodes)
+    assert_bitwise(got, ref)
+    assert stats.get("committed", 0) > 0 and not stats.get("rolled_back"), stats
+    assert seen[3] == seen[4] == seen[5], [len(x) for x in seen]
+
+
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_prefetched_state_is_bitwise_the_plain_step(name, tmp_path):
     ref, _, _ = train("nvme", tmp_path, PLAIN, OPTIMIZERS[name])
