@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from zinf_runtime import swap
 from zinf_runtime.swap import SwapConfig, SwapCorruptError, SwapEngine
 
 KIB = 1024
@@ -34,9 +35,34 @@ def data(nbytes: int = 300 * KIB + 5) -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
 
 
+def test_hardware_crc32c_is_used_when_installed():
+    """make setup installs google-crc32c: then the engine checksums with its library (CRC-32C), and
+    it agrees with the package's own function; without it, zlib's crc32 (stats say which)."""
+    import importlib.util
+    import mmap
+    import zlib
+
+    buf = mmap.mmap(-1, 3 * 4096)
+    buf.write(os.urandom(3 * 4096))
+    view = memoryview(buf)[5:10_000]
+    if importlib.util.find_spec("google_crc32c") is None:
+        assert swap.CHECKSUM == "crc32" and swap._checksum(view) == zlib.crc32(view)
+        return
+    import google_crc32c
+
+    assert swap.CHECKSUM == "crc32c"
+    assert swap._checksum(view) == google_crc32c.value(bytes(view))
+    assert swap._checksum(view[:0]) == 0
+
+
 @pytest.mark.parametrize("direct", [True, False])
-def test_flipped_byte_raises_naming_the_file(tmp_path, direct):
-    """Fix: crc32 per block at write, verified at read (SwapEngine._sum)."""
+@pytest.mark.parametrize("impl", ["default", "zlib"])
+def test_flipped_byte_raises_naming_the_file(tmp_path, direct, impl, monkeypatch):
+    """Fix: a checksum per block at write, verified at read (SwapEngine._sum); ``zlib``: the fallback
+    when the hardware CRC-32C library is missing."""
+    if impl == "zlib":
+        monkeypatch.setattr(swap, "_CRC32C", None)
+        monkeypatch.setattr(swap, "CHECKSUM", "crc32")
     with SwapEngine(cfg(tmp_path, direct_io=direct)) as e:
         t = data()
         e.write("u999.master", t).wait()
