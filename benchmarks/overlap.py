@@ -7,8 +7,9 @@ max(compute, transfer). This script measures every term of that statement in one
 
     serial     offload nvme/nvme, prefetch_depths=(0, 0, 0), reduce_depths=(0, 0),
                optimizer_prefetch=False (nothing runs ahead of its use)
-    scheduled  offload nvme/nvme, the Config defaults (prefetch (3, 2, 1), reduce (1, 2), the
-               optimizer's NVMe state prefetched during backward within optimizer_sub_group_bytes)
+    scheduled  offload nvme/nvme, the Config defaults (prefetch (3, 2, 1), reduce (1, 2);
+               ``--optimizer-prefetch on`` adds the optimizer's NVMe state read during backward,
+               within optimizer_sub_group_bytes, off by default since 2026-12-02)
     overlap_opt  the scheduled row plus overlap_optimizer_step=True: each unit whose gradient is
                final is stepped in a background thread during backward, ``step()`` commits
     memory     offload none/none: the in-memory step = the compute term of the bound
@@ -80,6 +81,8 @@ def row_options(row: str, args: argparse.Namespace, nvme_path: str) -> Dict[str,
         if args.prefetch_depths:  # scheduled and overlap_opt: other lookahead depths than the defaults
             opts["prefetch_depths"] = tuple(int(d) for d in args.prefetch_depths.split(","))
             opts["reduce_depths"] = tuple(int(d) for d in args.reduce_depths.split(","))
+    if row != "serial" and args.optimizer_prefetch is not None:  # default: the Config's (on)
+        opts["optimizer_prefetch"] = args.optimizer_prefetch == "on"
     if row == "overlap_opt":
         opts["overlap_optimizer_step"] = True
     elif row == "scheduled" and args.trace:  # scheduled: the defaults, plus the trace if asked for
@@ -346,6 +349,8 @@ def spawn(args: argparse.Namespace, row: str, extra: List[str], tmp: str) -> Dic
         cmd += ["--nvme-path", args.nvme_path]
     if args.trace:
         cmd += ["--trace", args.trace]
+    if args.optimizer_prefetch:
+        cmd += ["--optimizer-prefetch", args.optimizer_prefetch]
     cmd += extra
     print(f"[{row}] running", flush=True)
     t0 = time.perf_counter()
@@ -510,6 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the scheduled rows' prefetch_depths (default: the Config's, 3,2,1)")
     p.add_argument("--reduce-depths", default="1,2", metavar="RS,OFF",
                    help="the scheduled rows' reduce_depths, with --prefetch-depths (default 1,2)")
+    p.add_argument("--optimizer-prefetch", choices=["on", "off"], default=None,
+                   help="optimizer_prefetch of the scheduled and overlap_opt rows (default: the Config's)")
     p.add_argument("--trace", default=None, metavar="PATH", help="pass option trace=PATH to the scheduled row")
     p.add_argument("--transfer-repeat", type=int, default=3, help="write+read runs of the transfer row (median)")
     p.add_argument("--row-timeout", type=float, default=3600, help="seconds before a row's process is killed")
