@@ -28,7 +28,8 @@ from conftest import ATOL, RTOL
 from test_dp import CFG, assert_matches_eager, run_dp
 from workers.dp_train import SGD
 
-pytestmark = pytest.mark.parity
+# parity (rerun under ATEN_CPU_CAPABILITY=default) per test: the dp-2 comparison with eager is left out
+# of that rerun for CI time (test_dp's dp-2 parity tests are rerun, and this one runs once)
 HERE = os.path.dirname(__file__)
 
 
@@ -83,6 +84,7 @@ def test_broadcast_dp2_matches_eager_and_bandwidth_scheme(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parity
 def test_broadcast_dp2_nvme_params_and_optimizer(tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
@@ -95,6 +97,7 @@ def test_broadcast_dp2_nvme_params_and_optimizer(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parity
 def test_broadcast_dp2_tiled_serial_schedule(tmp_path):
     """Tiles are units of their own (each gets an owner); the serial schedule takes the blocking path."""
     res = run_broadcast(tmp_path, {"compiler": "eager", "partition": "broadcast", "offload_params": "cpu",
@@ -105,6 +108,7 @@ def test_broadcast_dp2_tiled_serial_schedule(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parity
 def test_broadcast_dp2_built_by_zinf_init(tmp_path):
     """zinf_compile.init partitions each submodule as it is built: owners are chosen then, and the
     compile's placement (same options) matches them."""
@@ -114,6 +118,7 @@ def test_broadcast_dp2_built_by_zinf_init(tmp_path):
     assert_single_owner(res["layout"])
 
 
+@pytest.mark.parity
 def test_partition_option_is_validated():
     with pytest.raises(ValueError, match=r"'partition'.*'owner'.*\['bandwidth', 'broadcast'\]"):
         Config.from_options({"partition": "owner"})
@@ -122,6 +127,7 @@ def test_partition_option_is_validated():
     assert Config().partition == "bandwidth"
 
 
+@pytest.mark.parity
 def test_broadcast_dp1_is_the_default_scheme_and_checkpoints_refuse(tmp_path):
     """At dp = 1 there is nothing to broadcast: same layout and numbers as the default; save still
     refuses, because the same options at dp > 1 would write a wrong checkpoint."""
@@ -166,6 +172,7 @@ def _eager_clipped(max_norm, norm_type, steps=3, global_batch=8):
 
 
 @pytest.mark.slow
+@pytest.mark.parity
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
 def test_broadcast_dp2_clip_grad_norm(tmp_path, norm_type):
     """Non-owners hold empty gradient shards: their partial norms are 0 (the inf norm of an empty tensor

@@ -132,7 +132,8 @@ def test_dp1_in_memory_fetches_read_in_place():
         assert torch.equal(h.grad_values().view(p.shape), q.grad), name
 
 
-def test_inductor_releases_every_gathered_parameter(tmp_path):
+@pytest.mark.slow  # CI time (54 s of Inductor compile); test_graphs_hold_zinf_nodes_and_gathered_peak_is_bounded
+def test_inductor_releases_every_gathered_parameter(tmp_path):  # checks the releases in the eager graphs
     cfg = GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4)
     model = GPT(cfg)
     # on NVMe, so each fetch has a buffer of its own to release (in memory at dp 1 it reads in place)
