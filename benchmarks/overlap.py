@@ -8,8 +8,8 @@ max(compute, transfer). This script measures every term of that statement in one
     serial     offload nvme/nvme, prefetch_depths=(0, 0, 0), reduce_depths=(0, 0),
                optimizer_prefetch=False (nothing runs ahead of its use)
     scheduled  offload nvme/nvme, the Config defaults (prefetch (3, 2, 1), reduce (1, 2);
-               ``--optimizer-prefetch on`` adds the optimizer's NVMe state read during backward,
-               within optimizer_sub_group_bytes, off by default since 2026-12-02)
+               the optimizer's NVMe state read during backward within optimizer_sub_group_bytes;
+               ``--optimizer-prefetch on|off`` overrides that option for this row and overlap_opt)
     overlap_opt  the scheduled row plus overlap_optimizer_step=True: each unit whose gradient is
                final is stepped in a background thread during backward, ``step()`` commits
     memory     offload none/none: the in-memory step = the compute term of the bound

@@ -96,9 +96,10 @@ class Config:
     optimizer_prefetch: with the optimizer on NVMe, start reading a unit's master and moments (and
         keep its final gradient in memory) during backward, as soon as its gradient is final, up to
         ``optimizer_sub_group_bytes`` held; ``step()`` uses them if nothing changed since
-        (``zinf_runtime.optim_overlap``). Off by default since swap writes overwrite in place: its
-        reads then compete with backward's parameter reads for the disk, and the 70M overlap
-        benchmark's scheduled step took 5.87 s with it against 4.92 s without (README, Measured).
+        (``zinf_runtime.optim_overlap``). It moves reads into backward, where they share the disk
+        with backward's parameter reads, and saves the gradient re-read; whether that pays on a given
+        disk is measured by ``benchmarks/overlap.py --optimizer-prefetch on|off`` (on this VM the
+        runs disagreed within its noise, README, Measured).
     overlap_optimizer_step: step a unit whose gradient is final in a background thread while
         backward goes on (optimizer on ``cpu`` or ``nvme``); ``step()`` commits what is still valid
         (same gradient, state and hyper-parameters: clipping, accumulation, lr changes roll back to
@@ -131,7 +132,7 @@ class Config:
     bucket_bytes: int = 0
     trace: Optional[str] = None
     partition: str = "bandwidth"
-    optimizer_prefetch: bool = False
+    optimizer_prefetch: bool = True
     overlap_optimizer_step: bool = False
 
     def __post_init__(self) -> None:
