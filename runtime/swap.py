@@ -253,6 +253,7 @@ class SwapHandle:
         self._crcs: Optional[list[int]] = None  # per block: computed (write) or expected (read)
         self._side: Optional[int] = None  # reuse_files: the file (0 = .a, 1 = .b) a write fills
         self._created = False  # the write created its file (so a failure removes it)
+        self._reused = False  # the write overwrites the key's spare (so a failure keeps it the spare)
         self._lock = threading.Lock()
         self._remaining = 0
         self._error: Optional[BaseException] = None
@@ -643,9 +644,16 @@ class SwapEngine:
                         h._side = spare[0] if spare is not None else 0 if ent is None else 1 - ent[4]
                         if spare is not None and spare[1] == padded:  # overwrite the spare in place
                             flags &= ~(os.O_CREAT | os.O_EXCL)
+                            h._reused = True
                         elif spare is not None:  # another size: replaced by a new file
+                            try:
+                                os.unlink(self._path_of(h.key, h._side))
+                            except FileNotFoundError:
+                                pass
+                            except OSError:
+                                self._spares[h.key] = spare  # still on disk, still the spare
+                                raise
                             self._st["disk_bytes"] -= spare[1]
-                            os.unlink(self._path_of(h.key, h._side))
                         h._path = self._path_of(h.key, h._side)
                     else:
                         h._path = f"{self._base(h.key)}.v{h._version}.tmp"
@@ -842,7 +850,7 @@ class SwapEngine:
                                 os.unlink(h._path)
                             except OSError:
                                 pass
-                    else:  # an overwritten spare stays the spare (its bytes are garbage, never read)
+                    elif h._reused:  # an overwritten spare stays the spare (its bytes are garbage, never read)
                         self._spares[h.key] = (h._side, padded)
                     if self._expect.get(h.key, (0, 0))[1] == h._version:  # no newer write: revert
                         old = self._files.get(h.key)
