@@ -1,7 +1,7 @@
-"""zinf against Inductor without offload, measured in one process with the steps interleaved.
+"""Variants of one training step measured in one process (per rank), with their steps interleaved.
 
-Why: on a shared VM the same row run twice in fresh processes differs by up to 20% (README,
-"How far to trust a ratio"), more than the overhead being measured. Here every variant is compiled
+Why: on a shared VM the same row run twice in fresh processes differs by up to 25% (README,
+"How far to trust a ratio"), more than the differences being measured. Here every variant is built
 in one process and the rounds alternate (one step of each per round), so drift hits all alike; the
 ratio is each variant's median step over the first variant's. Not a replacement for
 ``benchmarks/compare.py`` (fresh processes, peak RSS), a sharper tool for one ratio.
@@ -10,69 +10,134 @@ ratio is each variant's median step over the first variant's. Not a replacement 
     SIZE=large ROUNDS=5 python benchmarks/ab_overhead.py inductor zinf   # GPT-2 small, 124M
     python benchmarks/ab_overhead.py inductor zinf 'zinf_serial={"disabled_passes":["plan_schedule","schedule","carry"]}'
     PROF=25 python benchmarks/ab_overhead.py inductor zinf               # + per-op self time per step
+    torchrun --nproc-per-node 2 benchmarks/ab_overhead.py fsdp2-cpu \\
+        'zinf-cpu={"offload_params":"cpu","offload_optimizer":"cpu"}'    # dp 2 on gloo, global batch 4
 
-A variant is ``name`` or ``name={json options for backend="zinf"}``; a name starting with
-"inductor" is ``torch.compile(model)`` with ``torch.optim.AdamW``, any other is zinf (offload off
-unless the options say otherwise) with ``zinf_compile.optim.AdamW``. Same model (seed 0), same batch.
+A variant is ``name`` or ``name={json options for backend="zinf"}``:
+- a name starting with "inductor" is ``torch.compile(model)`` with ``torch.optim.AdamW``;
+- "eager" is the model itself with ``torch.optim.AdamW``;
+- "fsdp2" / "fsdp2-cpu" are ``fully_shard`` on each block and the root, without / with
+  ``CPUOffloadPolicy`` (dp > 1 only), built as ``benchmarks/compare.py`` builds them;
+- any other name is zinf (offload off unless the options say otherwise) with ``zinf_compile.optim.AdamW``.
+Same model (seed 0), same global batch; under torchrun each rank takes its contiguous slice, a step
+starts after a barrier and its time is the slowest rank's (as in ``compare.py``). Threads: THREADS,
+default the machine's cores divided by the ranks.
 """
 import json
 import os
 import statistics
 import sys
 import time
+from typing import Callable, Dict, List, Tuple
 
 import torch
+import torch.distributed as dist
 
 import zinf_compile
 from zinf_compile.models import GPT, GPTConfig
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+world = int(os.environ.get("WORLD_SIZE", "1"))
+rank = int(os.environ.get("RANK", "0"))
+if world > 1:
+    dist.init_process_group("gloo")
+torch.set_num_threads(int(os.environ.get("THREADS", max(1, (os.cpu_count() or 1) // world))))
 size = os.environ.get("SIZE", "small")
 cfgs = {"small": dict(vocab=10240, seq=128, layers=12, hidden=384, heads=6),
         "large": dict(vocab=50304, seq=128, layers=12, hidden=768, heads=12)}
 c = cfgs[size]
-B = 4
+B = int(os.environ.get("BATCH", 4))
+if B % world:
+    raise SystemExit(f"BATCH={B} is not divisible by the {world} ranks")
+per = B // world
 g = torch.Generator().manual_seed(1)
-x = torch.randint(0, c["vocab"], (B, c["seq"]), generator=g); y = torch.randint(0, c["vocab"], (B, c["seq"]), generator=g)
-variants = {}
-for spec in sys.argv[1:]:
-    name, _, opts = spec.partition("=")
+x = torch.randint(0, c["vocab"], (B, c["seq"]), generator=g)
+y = torch.randint(0, c["vocab"], (B, c["seq"]), generator=g)
+x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+Step = Callable[[], float]
+
+
+def build(name: str, opts: str) -> Step:
     torch.manual_seed(0)
     model = GPT(GPTConfig(**c))
-    if name.startswith("inductor"):
-        run = torch.compile(model); opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if name.startswith("fsdp2"):
+        from _compare_worker import _fsdp2
+        if world < 2:
+            raise SystemExit(f"variant {name!r} needs torchrun with --nproc-per-node >= 2")
+        inner, _ = _fsdp2(model, offload=name == "fsdp2-cpu")
+        return lambda: float(inner(x, y).detach())
+    if name.startswith("inductor") or name == "eager":
+        run = torch.compile(model) if name != "eager" else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
-        o = dict(offload_params="none", offload_optimizer="none"); o.update(json.loads(opts or "{}"))
-        run = torch.compile(model, backend="zinf", options=o); opt = zinf_compile.optim.AdamW(model.parameters(), lr=1e-4)
-    variants[name] = (run, opt)
-def step(run, opt):
-    loss = run(x, y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return float(loss.detach())
+        o = dict(offload_params="none", offload_optimizer="none")
+        o.update(json.loads(opts or "{}"))
+        if "nvme" in (o["offload_params"], o["offload_optimizer"]) and "nvme_path" not in o:
+            import tempfile
+            o["nvme_path"] = tempfile.mkdtemp(prefix=f"zinf-ab-{name}-r{rank}-")
+        run = torch.compile(model, backend="zinf", options=o)
+        opt = zinf_compile.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> float:
+        loss = run(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+    return step
 
 
+def timed(step: Step) -> Tuple[float, float]:
+    """(slowest rank's seconds, loss) of one step started after a barrier."""
+    if world > 1:
+        dist.barrier()
+    t0 = time.perf_counter()
+    loss = step()
+    t = torch.tensor([time.perf_counter() - t0])
+    if world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t), loss
+
+
+variants: Dict[str, Step] = {}
+for spec in sys.argv[1:]:
+    name, _, opts = spec.partition("=")
+    variants[name] = build(name, opts)
 for n, v in variants.items():
-    for _ in range(2): step(*v)
-times = {n: [] for n in variants}
+    for _ in range(2):
+        v()
+times: Dict[str, List[float]] = {n: [] for n in variants}
+losses: Dict[str, float] = {}
 for r in range(int(os.environ.get("ROUNDS", 8))):
     for n, v in variants.items():
-        t0 = time.perf_counter(); step(*v); times[n].append(time.perf_counter() - t0)
+        t, losses[n] = timed(v)
+        times[n].append(t)
 base = statistics.median(times[next(iter(times))])
-for n, ts in times.items():
-    m = statistics.median(ts)
-    print(f"{n:24s} median {m:.3f}  ratio {m/base:.3f}  min {min(ts):.3f}")
+if rank == 0:
+    print(f"SIZE={size} BATCH={B} dp={world} threads/rank={torch.get_num_threads()} rounds={len(times[n])}")
+    for n, ts in times.items():
+        m = statistics.median(ts)
+        print(f"{n:24s} median {m:.3f}  ratio {m/base:.3f}  min {min(ts):.3f}  max {max(ts):.3f}  last loss {losses[n]:.4f}")
 if os.environ.get("PROF"):
     from torch.profiler import profile, ProfilerActivity
-    agg = {n: {} for n in variants}
+    agg: Dict[str, Dict[str, List[float]]] = {n: {} for n in variants}
     for r in range(3):
         for n, v in variants.items():
             with profile(activities=[ProfilerActivity.CPU]) as p:
-                step(*v)
+                v()
             for e in p.key_averages():
                 d = agg[n].setdefault(e.key, [0.0, 0])
-                d[0] += e.self_cpu_time_total / 3e3; d[1] += e.count / 3
-    keys = sorted({k for n in agg for k in agg[n]}, key=lambda k: -max(agg[n].get(k, [0])[0] for n in agg))[:int(os.environ["PROF"])]
-    print("op".ljust(50), *[n[:14].rjust(15) for n in agg])
-    for k in keys:
-        print(k[:50].ljust(50), *[(f"{agg[n].get(k,[0,0])[0]:8.1f}ms/{agg[n].get(k,[0,0])[1]:4.0f}").rjust(15) for n in agg])
-    for n in agg: print(n, "total self ms", round(sum(v[0] for v in agg[n].values()),1))
+                d[0] += e.self_cpu_time_total / 3e3
+                d[1] += e.count / 3
+    if rank == 0:
+        keys = sorted({k for n in agg for k in agg[n]},
+                      key=lambda k: -max(agg[n].get(k, [0])[0] for n in agg))[:int(os.environ["PROF"])]
+        print("op".ljust(50), *[n[:14].rjust(15) for n in agg])
+        for k in keys:
+            print(k[:50].ljust(50), *[(f"{agg[n].get(k, [0, 0])[0]:8.1f}ms/{agg[n].get(k, [0, 0])[1]:4.0f}").rjust(15)
+                                       for n in agg])
+        for n in agg:
+            print(n, "total self ms", round(sum(v[0] for v in agg[n].values()), 1))
+if world > 1:
+    dist.barrier()
+    dist.destroy_process_group()
