@@ -83,7 +83,10 @@ def test_gpt_dp2_matches_single_process_eager(tmp_path):
     counts = res["counts"]
     assert counts.get("forward:zinf.wait_gather.default", 0) > 0, counts
     assert counts.get("backward:zinf.wait_gather.default", 0) > 0, counts
-    assert counts.get("backward:zinf.reduce.default", 0) > 0, counts
+    assert counts.get("backward:zinf.wait_reduce.default", 0) > 0, counts  # each gradient waits for its own
+    # bucket_bytes=None: this model's small parameters share collectives (test_schedule: bitwise as unbucketed)
+    assert counts.get("forward:zinf.gather_bucket.default", 0) > 0, counts
+    assert counts.get("backward:zinf.reduce_bucket.default", 0) > 0, counts
     assert counts["forward:zinf.release.default"] == counts["forward:zinf.wait_gather.default"], counts
     assert counts["backward:zinf.release.default"] == counts["backward:zinf.wait_gather.default"], counts
 
@@ -93,10 +96,10 @@ def test_gpt_dp2_with_tiling_matches_single_process_eager(tmp_path):
     assert_matches_eager(res)
     counts = res["counts"]
     # every tile is all-gathered and reduce-scattered on its own: 24 parameters, of which qkv, fc and
-    # out (3 per layer) become 3 tiles each
+    # out (3 per layer) become 3 tiles each (each waited for alone, whether its collective is bucketed)
     tiled = 3 * CFG["layers"]
     assert counts["forward:zinf.wait_gather.default"] == 24 - tiled + 3 * tiled
-    assert counts["backward:zinf.reduce.default"] == 24 - tiled + 3 * tiled
+    assert counts["backward:zinf.wait_reduce.default"] == 24 - tiled + 3 * tiled
 
 
 def test_gpt_dp2_nvme_params_and_optimizer(tmp_path):

@@ -27,7 +27,7 @@ from conftest import zinf_full_grads
 from test_dp import run_dp
 
 CFG = GPTConfig(vocab=64, seq=16, layers=3, hidden=32, heads=2)
-SERIAL = {"prefetch_depths": (0, 0, 0), "reduce_depths": (0, 0)}
+SERIAL = {"prefetch_depths": (0, 0, 0), "reduce_depths": (0, 0), "bucket_bytes": 0}
 UNSCHEDULED = {"disabled_passes": ("plan_schedule", "schedule")}
 STARTS = {WAIT_UPLOAD: UPLOAD, WAIT_GATHER: GATHER, WAIT_REDUCE: REDUCE}
 
@@ -238,7 +238,8 @@ def _bucketed_vs_serial(tmp_path):
     collectives, so the same numbers as the serial order, bitwise (zinf against zinf: no rounding to
     vary, so not rerun with ATEN_CPU_CAPABILITY=default). The schedule without buckets at dp 2:
     test_dp2_scheduled_equals_serial (make test-slow; CI time)."""
-    serial = run_dp(tmp_path, {"compiler": "eager", "prefetch_depths": [0, 0, 0], "reduce_depths": [0, 0]})
+    serial = run_dp(tmp_path, {"compiler": "eager", "prefetch_depths": [0, 0, 0], "reduce_depths": [0, 0],
+                               "bucket_bytes": 0})
     (tmp_path / "c").mkdir()
     bucketed = run_dp(tmp_path / "c", {"compiler": "eager", "bucket_bytes": 1 << 20})
     assert bucketed["losses"] == serial["losses"]
@@ -269,7 +270,7 @@ def test_dp2_scheduled_equals_serial(tmp_path):
     (tmp_path / "a").mkdir()
     serial, bucketed = _bucketed_vs_serial(tmp_path / "a")
     (tmp_path / "b").mkdir()
-    sched = run_dp(tmp_path / "b", {"compiler": "eager"})
+    sched = run_dp(tmp_path / "b", {"compiler": "eager", "bucket_bytes": 0})
     assert serial["losses"] == sched["losses"]
     for k, v in serial["state"].items():
         assert torch.equal(sched["state"][k], v), k
@@ -290,6 +291,17 @@ def test_schedule_options_are_checked():
         with pytest.raises(ValueError, match=next(iter(bad))):
             zinf_compile.Config(**bad)
     assert zinf_compile.Config(prefetch_depths=[0, 0, 0]).prefetch_depths == (0, 0, 0)
+
+
+def test_bucket_bytes_default_is_on_for_bandwidth_and_off_for_broadcast():
+    """bucket_bytes=None: 8 MiB buckets, at most the in-flight cap; none with the single-owner scheme
+    (it broadcasts each parameter), where only an explicit value is refused."""
+    from zinf_compile.config import DEFAULT_BUCKET_BYTES
+    Config = zinf_compile.Config
+    assert Config().bucket_bytes is None and Config().bucket_limit == DEFAULT_BUCKET_BYTES == 8 << 20
+    assert Config(max_inflight_bytes=1 << 20).bucket_limit == 1 << 20
+    assert Config(partition="broadcast").bucket_limit == 0
+    assert Config(bucket_bytes=0).bucket_limit == 0 and Config(bucket_bytes=5).bucket_limit == 5
 
 
 def test_a_graph_that_raises_midway_leaves_no_transfer_pending(tmp_path):

@@ -22,6 +22,11 @@ _CHOICES: dict[str, tuple] = {
 }
 
 
+# bucket_bytes=None: one all-gather / reduce-scatter per run of small parameters of up to 8 MiB
+# (the measurements are in Config's docstring)
+DEFAULT_BUCKET_BYTES = 8 << 20
+
+
 @dataclass(frozen=True)
 class Config:
     """Settings of one compile. Fields:
@@ -84,7 +89,13 @@ class Config:
         graph (None: no cap); a prefetch that would exceed it starts later.
     bucket_bytes: coalesce the all-gathers of consecutive small parameters (dp > 1) into one collective
         of at most this many gathered bytes, and their gradients' reduce-scatters likewise (0: one
-        collective per parameter).
+        collective per parameter). None (default): ``DEFAULT_BUCKET_BYTES`` (8 MiB) with
+        ``partition="bandwidth"``, at most ``max_inflight_bytes``; 0 with ``partition="broadcast"``.
+        Why on by default: at dp 2 on gloo, one collective per parameter (about 150 per pass of the
+        25M GPT) is latency-bound. Interleaved in one process, 8 MiB buckets took the 25M CPU-offload
+        step to 0.87-0.89x of unbucketed in each run; 16 MiB swung from 0.78x to 1.11x between runs,
+        and 128 MiB (the whole model in one bucket, no overlap left) was slower than none
+        (``benchmarks/ab_overhead.py``, README "Buckets at dp 2").
     partition: how parameters are spread over the dp ranks. ``"bandwidth"`` (default, ZeRO-Infinity's
         bandwidth-centric scheme): every rank holds 1/dp of every parameter; a use all-gathers it, a
         gradient is reduce-scattered. ``"broadcast"`` (the classic single-owner scheme, for comparison):
@@ -129,7 +140,7 @@ class Config:
     prefetch_depths: tuple[int, int, int] = (3, 2, 1)
     reduce_depths: tuple[int, int] = (1, 2)
     max_inflight_bytes: Optional[int] = None
-    bucket_bytes: int = 0
+    bucket_bytes: Optional[int] = None
     trace: Optional[str] = None
     partition: str = "bandwidth"
     optimizer_prefetch: bool = True
@@ -176,11 +187,11 @@ class Config:
             object.__setattr__(self, key, tuple(value))
         for key in ("max_inflight_bytes", "bucket_bytes"):
             value = getattr(self, key)
-            if value is None and key == "max_inflight_bytes":
+            if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"zinf option {key!r}: invalid value {value!r}; expected an int of bytes >= 0"
-                                 + (" or None" if key == "max_inflight_bytes" else ""))
+                raise ValueError(f"zinf option {key!r}: invalid value {value!r}; expected an int of bytes >= 0 "
+                                 "or None")
         if self.bucket_bytes and self.partition == "broadcast":
             raise ValueError(f"zinf option 'bucket_bytes': {self.bucket_bytes!r} coalesces the all-gathers and "
                              "reduce-scatters of partition='bandwidth'; partition='broadcast' broadcasts each "
@@ -253,6 +264,17 @@ class Config:
                     f"zinf option {key!r} (value {options[key]!r}) is unknown; valid options: {names}"
                 )
         return cls(**dict(options))
+
+    @property
+    def bucket_limit(self) -> int:
+        """The gathered bytes one bucket may hold (0: no buckets): ``bucket_bytes``, or when it is None
+        the default, which stays under ``max_inflight_bytes`` and is 0 with ``partition="broadcast"``."""
+        if self.bucket_bytes is not None:
+            return self.bucket_bytes
+        if self.partition == "broadcast":
+            return 0
+        cap = self.max_inflight_bytes
+        return DEFAULT_BUCKET_BYTES if cap is None else min(DEFAULT_BUCKET_BYTES, cap)
 
     @property
     def compute_dtype(self) -> Optional[torch.dtype]:

@@ -198,12 +198,12 @@ def plan_schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
             reduces.append(n)
     for j, n in enumerate(reduces):
         n.meta["zinf"]["schedule"] = {"grad": j, "wait_at": j + rd, "offload_at": j + max(rd, od)}
-    if ctx.cfg.bucket_bytes:
+    if ctx.cfg.bucket_limit:
         if ctx.cfg.device_memory_budget is not None and ctx.cfg.max_inflight_bytes is None:
             # a bucket fetches its later members early and keeps its earlier gradients late
             ctx.record.counters["buckets_off_for_budget"] += 1
         else:
-            limit = ctx.cfg.bucket_bytes if cap is None else min(ctx.cfg.bucket_bytes, cap)
+            limit = ctx.cfg.bucket_limit if cap is None else min(ctx.cfg.bucket_limit, cap)
             _plan_buckets(sorted(chains, key=lambda c: (op_of[c.use], pos[c.fetch])), limit, ctx)
             dp = {info.uid: info.world for info in ctx.params.values()}
             _plan_reduce_buckets([n for n in reduces if dp.get(n.args[2], 1) > 1], limit, ctx)
