@@ -19,6 +19,13 @@ with gloo for dp = 2), with its own empty Inductor cache, so the first step incl
     python benchmarks/compare.py --systems zinf           # re-run the six zinf rows, merged into the JSON
     python benchmarks/compare.py --systems 'zinf-*-dp2,ds-nvme' --sizes large
     python benchmarks/compare.py --quick --out /tmp/cmp   # tiny model, 2 timed steps: a smoke test
+    python benchmarks/compare.py --sizes small --systems fsdp2-cpu,zinf-cpu-dp2 --repeat 3
+                                                          # each row 3 times, round-robin
+
+``--repeat N`` runs the selected rows N times in round-robin order (A B A B ...), each run a fresh
+process, so the drift of a shared machine reaches every row alike; a row's step is then the median
+of its runs' medians, and the table shows the runs' range. Why: one run per row moved by up to 25%
+between runs on this VM, more than some of the differences the goals ask about.
 
 Reported per row: the median of the timed steps (after the first step and ``--warmup`` steps), the
 first step (includes compilation), peak RSS as the sum over ranks and the largest rank (each rank's
@@ -203,6 +210,33 @@ def run_row(row: str, size: str, cfg: Dict[str, Any], args: argparse.Namespace, 
     return dict(base, ok=False, why=_why(out, dp, log, rc))
 
 
+def combine_runs(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One row from its repeated runs (``--repeat``): the step is the median of the runs' median
+    steps; the other figures (first step, RSS, loss, time) are those of the run whose median is the
+    median (the lower middle for an even count), so they come from one real run. Failed runs are
+    listed with their reasons; a row with no successful run is its last failure."""
+    ok = [r for r in runs if r.get("ok")]
+    failed = [r.get("why", "?") for r in runs if not r.get("ok")]
+    if not ok:
+        return dict(runs[-1], failed_runs=failed) if len(runs) > 1 else runs[-1]
+    if len(runs) == 1:
+        return ok[0]
+    meds = [r["median_step_s"] for r in ok]
+    middle = sorted(ok, key=lambda r: r["median_step_s"])[(len(ok) - 1) // 2]
+    return dict(middle, median_step_s=statistics.median(meds), runs_median_step_s=meds,
+                runs_at=[r["run_at"] for r in ok], failed_runs=failed)
+
+
+def _step_cell(r: Dict[str, Any]) -> str:
+    runs = r.get("runs_median_step_s") or []
+    cell = f"{r['median_step_s']:.3f}"
+    if len(runs) > 1:
+        cell += f" ({len(runs)} runs: {min(runs):.3f}–{max(runs):.3f})"
+    if r.get("failed_runs"):
+        cell += f" ({len(r['failed_runs'])} failed)"
+    return cell
+
+
 # ------------------------------------------------------------------------------------------------
 # the table
 # ------------------------------------------------------------------------------------------------
@@ -253,7 +287,9 @@ def render(data: Dict[str, Any]) -> str:
         f"optimizer step. Global batch {c['global_batch']} sequences (dp-2 rows: {c['global_batch'] // 2} per rank). "
         f"Threads: {c['threads_dp1']} per process at dp 1, {c['threads_dp2']} per rank at dp 2 (2 ranks). "
         f"Step = median of {c['steps']} timed steps after the first step and {c['warmup']} warm-up step(s); "
-        f"the first step includes compilation (cold Inductor cache per row). Peak RSS = VmHWM, summed over "
+        f"the first step includes compilation (cold Inductor cache per row). A row shown with \"N runs\" ran "
+        f"N times round-robin with the others (--repeat): its step is the median of the runs' medians, its other "
+        f"figures those of that middle run. Peak RSS = VmHWM, summed over "
         f"ranks / largest rank. Ratios are against Inductor (dp 1, no sharding) of the same size.", "",
         f"Load average (1, 5, 15 min) at start {data['loadavg_start']}, at end {data['loadavg_end']}; "
         f"the machine is shared, so each row also records its own (JSON: loadavg_before/after).", "",
@@ -280,7 +316,7 @@ def render(data: Dict[str, Any]) -> str:
                 lines.append(f"| {r['label']} | {r['dp']} | not run: {r['why'].replace('|', '/')} | | | | | | | | {when} |")
                 continue
             lines.append(
-                f"| {r['label']} | {r['dp']} | {r['median_step_s']:.3f} | {_ratio(r['median_step_s'], ref.get('median_step_s'))} "
+                f"| {r['label']} | {r['dp']} | {_step_cell(r)} | {_ratio(r['median_step_s'], ref.get('median_step_s'))} "
                 f"| {r['first_step_s']:.1f} | {_ratio(r['first_step_s'], ref.get('first_step_s'))} "
                 f"| {r['rss_sum_mib']:.0f} | {r['rss_max_mib']:.0f} | {_ratio(r['rss_sum_mib'], ref.get('rss_sum_mib'))} "
                 f"| {r['losses'][-1]:.4f} | {when} |")
@@ -333,6 +369,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--threads-dp2", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="threads per dp-2 rank")
     ap.add_argument("--nvme-dir", default=tempfile.gettempdir(), help="where the NVMe rows put their folders")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per row")
+    ap.add_argument("--repeat", type=int, default=1, help="run the rows this many times, round-robin; a row's "
+                                                          "step is the median of its runs' medians (default 1)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for compare.json / compare.md / logs")
     ap.add_argument("--no-merge", action="store_true", help="replace compare.json instead of merging rows into it")
     ap.add_argument("--render-only", action="store_true", help="rewrite compare.md from compare.json; run nothing")
@@ -342,6 +380,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args.global_batch = args.global_batch or 4
     args.warmup = 1 if args.warmup is None else args.warmup
     args.steps = args.steps or (2 if args.quick else 3)
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat {args.repeat}: must be at least 1")
     if args.global_batch % 2:
         raise SystemExit(f"--global-batch {args.global_batch}: must be even (dp-2 rows split it in two)")
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
@@ -362,6 +402,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     cmd = "python benchmarks/compare.py " + " ".join(argv if argv is not None else sys.argv[1:])
     data.update(machine=machine(os.path.abspath(args.nvme_dir)), command=cmd.strip(), sizes=SIZES,
                 config={"global_batch": args.global_batch, "warmup": args.warmup, "steps": args.steps,
+                        "repeat": args.repeat,
                         "threads_dp1": args.threads_dp1, "threads_dp2": args.threads_dp2,
                         "adamw": {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}},
                 loadavg_start=loadavg())
@@ -372,24 +413,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         for size in sizes:
             cfg = SIZES[size]
-            for row in rows:
-                print(f"[{time.strftime('%H:%M:%S')}] {size} {row} (dp {ROWS[row][1]}) ...", flush=True)
-                try:
-                    res = run_row(row, size, cfg, args, tmp)
-                except KeyboardInterrupt:
-                    print(f"    interrupted: {size} {row} and the rows after it keep their earlier results, if any")
-                    data["interrupted_at"] = f"{size} {row} {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}"
-                    return _write(data, args.out, path, status=130)
-                data["rows"].setdefault(size, {})[row] = res
-                if res["ok"]:
-                    print(f"    step {res['median_step_s']:.3f} s, first {res['first_step_s']:.1f} s, "
-                          f"RSS {res['rss_sum_mib']:.0f} MiB (max/rank {res['rss_max_mib']:.0f}), "
-                          f"loss {res['losses'][-1]:.4f}, wall {res['wall_s']} s", flush=True)
-                else:
-                    print(f"    not run: {res['why']}", flush=True)
-                data["loadavg_end"] = loadavg()
-                with open(path, "w") as f:  # after every row: an interrupted run keeps what it measured
-                    json.dump(data, f, indent=1)
+            runs: Dict[str, List[Dict[str, Any]]] = {row: [] for row in rows}
+            for rnd in range(args.repeat):
+                for row in rows:
+                    tag = f" run {rnd + 1}/{args.repeat}" if args.repeat > 1 else ""
+                    print(f"[{time.strftime('%H:%M:%S')}] {size} {row} (dp {ROWS[row][1]}){tag} ...", flush=True)
+                    try:
+                        runs[row].append(run_row(row, size, cfg, args, tmp))
+                    except KeyboardInterrupt:
+                        print(f"    interrupted: {size} {row}; rows keep the runs they finished (or their earlier results)")
+                        data["interrupted_at"] = f"{size} {row} {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}"
+                        return _write(data, args.out, path, status=130)
+                    res = runs[row][-1]
+                    data["rows"].setdefault(size, {})[row] = combine_runs(runs[row])
+                    if res["ok"]:
+                        print(f"    step {res['median_step_s']:.3f} s, first {res['first_step_s']:.1f} s, "
+                              f"RSS {res['rss_sum_mib']:.0f} MiB (max/rank {res['rss_max_mib']:.0f}), "
+                              f"loss {res['losses'][-1]:.4f}, wall {res['wall_s']} s", flush=True)
+                    else:
+                        print(f"    not run: {res['why']}", flush=True)
+                    data["loadavg_end"] = loadavg()
+                    with open(path, "w") as f:  # after every row: an interrupted run keeps what it measured
+                        json.dump(data, f, indent=1)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     data.pop("interrupted_at", None)

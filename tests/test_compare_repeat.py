@@ -1,0 +1,45 @@
+"""``benchmarks/compare.py --repeat``: how repeated runs of a row become one row (no run is started here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def compare():
+    spec = importlib.util.spec_from_file_location("zinf_bench_compare", os.path.join(ROOT, "benchmarks", "compare.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(step: float, first: float, at: str) -> dict:
+    return {"ok": True, "median_step_s": step, "first_step_s": first, "run_at": at, "losses": [1.0]}
+
+
+def test_repeated_runs_give_the_median_step_and_one_real_run(compare):
+    runs = [_run(1.30, 50.0, "a"), _run(1.10, 51.0, "b"), _run(1.20, 52.0, "c")]
+    row = compare.combine_runs(runs)
+    assert row["median_step_s"] == 1.20 and row["runs_median_step_s"] == [1.30, 1.10, 1.20]
+    assert row["first_step_s"] == 52.0 and row["run_at"] == "c"  # the figures of the middle run itself
+    assert row["runs_at"] == ["a", "b", "c"] and row["failed_runs"] == []
+    assert compare._step_cell(row) == "1.200 (3 runs: 1.100–1.300)"
+    even = compare.combine_runs(runs[:2])
+    assert even["median_step_s"] == pytest.approx(1.20) and even["first_step_s"] == 51.0  # the lower middle
+
+
+def test_a_single_run_is_unchanged_and_failures_are_kept(compare):
+    one = _run(1.0, 2.0, "a")
+    assert compare.combine_runs([one]) is one and compare._step_cell(one) == "1.000"
+    bad = {"ok": False, "why": "timed out", "run_at": "b"}
+    mixed = compare.combine_runs([one, bad, _run(3.0, 4.0, "c")])
+    assert mixed["median_step_s"] == 2.0 and mixed["failed_runs"] == ["timed out"]
+    assert compare._step_cell(mixed).endswith("(1 failed)")
+    none_ok = compare.combine_runs([bad, dict(bad, why="exit status 1")])
+    assert not none_ok["ok"] and none_ok["why"] == "exit status 1"
+    assert none_ok["failed_runs"] == ["timed out", "exit status 1"]
