@@ -93,7 +93,8 @@ class Config:
         ``partition="bandwidth"``, at most ``max_inflight_bytes``; 0 with ``partition="broadcast"``.
         Why on by default: at dp 2 on gloo, one collective per parameter (about 150 per pass of the
         25M GPT) is latency-bound. Interleaved in one process, 8 MiB buckets took the 25M CPU-offload
-        step to 0.76x and 0.89x of unbucketed in the two runs with both; 16 MiB swung from 0.78x to 1.11x,
+        step to 0.76x and 0.89x of unbucketed in the two runs with both; 16 MiB was the fastest variant
+        in one run and 1.11x unbucketed in another,
         and 128 MiB (the whole model in one bucket, no overlap left) was slower than none
         (``benchmarks/ab_overhead.py``, README "Buckets at dp 2").
     partition: how parameters are spread over the dp ranks. ``"bandwidth"`` (default, ZeRO-Infinity's
