@@ -497,12 +497,16 @@ class ParamHandle:
     def reduce_grad(self, grad: torch.Tensor) -> None:
         """Reduce-scatter (mean over dp) ``grad``; accumulate the fp32 shard on the optimizer's tier."""
         self._begin_grad()
-        with self.context.accounting.gradient_buffer(_nbytes(grad), self.name):
+        acct, nbytes = self.context.accounting, _nbytes(grad)
+        acct.gradient_buffer_start(nbytes, self.name)
+        try:
             if self.tiles is not None:
                 for t, (lo, hi) in zip(self.tiles, self.tile_bounds):
                     t._reduce(grad.narrow(self.tile_dim, lo, hi - lo))
             else:
                 self._reduce(grad)
+        finally:
+            acct.gradient_buffer_end(nbytes)
 
     def _reduce(self, grad: torch.Tensor) -> None:
         self.accumulate_grad(self.finish_reduce(*self.start_reduce(grad, async_op=False)))
