@@ -227,3 +227,23 @@ def test_default_context_budget_is_separate_from_compiled_models():
             zinf_runtime.handle_of(p).fetch_shard(torch.float32)
     finally:
         accounting.set_device_memory_budget(None)
+
+
+def test_add_kinds_books_like_one_add_per_kind_in_every_parent() -> None:
+    """``add_kinds`` (the runtime's hot path) must leave exactly what per-kind ``add`` calls leave:
+    current and peak bytes per kind, in the accounting and in its parent, and refuse unknown kinds."""
+    from zinf_runtime import accounting
+
+    ref_parent, ref = accounting.Accounting(name="ref parent"), None
+    ref = accounting.Accounting(parent=ref_parent, name="ref")
+    new_parent = accounting.Accounting(name="new parent")
+    new = accounting.Accounting(parent=new_parent, name="new")
+    for nbytes in (100, 50, -120, 30, -60):
+        for kind in ("grad_buffer", "materialized"):
+            ref.add("device", kind, nbytes)
+        new.add_kinds("device", ("grad_buffer", "materialized"), nbytes)
+    assert new.stats() == ref.stats() and new_parent.stats() == ref_parent.stats()
+    assert new.stats()["device"]["grad_buffer"] == {"current": 0, "peak": 150}
+    with pytest.raises(ValueError, match="unknown memory tier/kind"):
+        new.add_kinds("device", ("grad_buffer", "bogus"), 1)
+    assert new.current("device", "grad_buffer") == 0  # refused before booking anything
