@@ -119,9 +119,9 @@ def test_torch_logs_alias_routes_pass_timings(caplog):
             lg.propagate = propagate
     msgs = [r.getMessage() for r in caplog.records if r.name == "zinf_compile"]
     assert any("pass insert_release took" in m for m in msgs), msgs
-    # dp = 1 in memory: the fetches stay single ops (nothing moves), the schedule adds no start/wait
-    assert any("forward: 5 passes in" in m and "+2 zinf.release.default" in m and "wait_upload" not in m
-               for m in msgs), msgs
+    # dp = 1 in memory: the fetches stay single ops read in place (nothing moves): the schedule adds
+    # no start/wait and insert_release no release (it would free nothing)
+    assert any("forward: 5 passes in" in m and "no op-count change" in m for m in msgs), msgs
 
 
 def test_torch_logs_env_and_structured_trace(tmp_path):
@@ -138,4 +138,4 @@ def test_torch_logs_env_and_structured_trace(tmp_path):
     logs = "".join(open(p).read() for p in glob.glob(str(tmp_path / "*.log")))
     for name in ("zinf_000_00_dynamo_input", "forward_insert_release", "backward_reduce_grad"):
         assert name in logs, name
-    assert "torch.ops.zinf.release.default" in logs  # the artifact's payload is the graph's code
+    assert "torch.ops.zinf.fetch_shard.default" in logs  # the artifact's payload is the graph's code

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 import pytest
 import torch
 import torch.fx
@@ -41,7 +42,10 @@ def make_ctx(params, indices, cfg=None, n_inputs=None):
     infos = {}
     for i, p in zip(indices, params):
         h = zinf_runtime.handle_of(p)
-        infos[i] = ParamInfo(i, h.uid, h.name, tuple(p.shape), p.dtype, h.shard_numel, p.requires_grad, h.world)
+        infos[i] = ParamInfo(i, h.uid, h.name, tuple(p.shape), p.dtype, h.shard_numel, p.requires_grad, h.world,
+                             tier=h.placement.tier)  # as the backend builds it: the passes plan by tier
+    if cfg is None and any(info.tier == "nvme" for info in infos.values()):
+        cfg = Config(compiler="eager", offload_params="nvme", nvme_path=tempfile.gettempdir())  # planning only: nothing written
     ctx = CompileContext(cfg or Config(compiler="eager"), infos, new_record("unit", cfg or Config()), "cpu")
     ctx.record.counters["graph_inputs"] = n_inputs if n_inputs is not None else len(indices) + 1
     return ctx

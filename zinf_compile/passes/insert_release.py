@@ -6,7 +6,12 @@ Runs on the forward, backward and inference graphs after partitioning::
     after:  w = zinf.all_gather(s, uid, shape); t = aten.t(w); y = addmm(b, x, t)
             zinf.release(w, uid, [y]); z = relu(y)
 
-At dp = 1 the fetched shard is the full parameter (``w`` is a view of it) and is what gets released.
+At dp = 1 the fetched shard is the full parameter (``w`` is a view of it) and is what gets released,
+unless the fetch reads the shard where it lives (no budget, the shard in the compute device's
+memory: ``ParamHandle.shard_in_place``, the schedule's ``_in_place``): such a release frees nothing,
+and its ``after`` list would only force the readers' results into buffers of their own, so none is
+inserted (counter ``release_skipped_in_place``). Where the compile-time guess is wrong (a fetch that
+copied after all), the copy is still freed, when the graph drops its last reference.
 The last use is taken over ``w`` and everything that may alias it, so freeing the storage can never
 pull data from under a view; the readers' results are passed to ``release`` so that no scheduler
 can move a read (Inductor inlines pointwise reads into later kernels) past the release. A gathered parameter that escapes through the graph's outputs (saved
@@ -25,6 +30,7 @@ import torch.fx
 from ..ops import RELEASE, is_zinf, tag
 from ..pipeline import CompileContext
 from ._graph import alias_closure, positions
+from .schedule import _in_place
 
 
 def insert_release_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: CompileContext) -> torch.fx.GraphModule:
@@ -33,6 +39,7 @@ def insert_release_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         return gm
     pos = positions(graph)
     gathers = [n for n in graph.nodes if n.meta.get("zinf", {}).get("owns_full")]
+    in_place = _in_place(ctx)[0]
     for g in gathers:
         closure = alias_closure(g)
         readers = {u for a in closure for u in a.users if u not in closure}
@@ -43,6 +50,12 @@ def insert_release_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
             ctx.record.warnings.append(msg)
             ctx.record.counters["gathered_escaped"] += 1
             warnings.warn(msg)
+            continue
+        if g.meta["zinf"]["uid"] in in_place:
+            # a shard read where it lives (dp = 1, in the compute device's memory) frees nothing on
+            # release, and the release's ``after`` list would force its readers' results into
+            # buffers of their own, cutting Inductor's fusion there
+            ctx.record.counters["release_skipped_in_place"] += 1
             continue
         deps = [d for r in sorted(readers, key=pos.__getitem__) for d in _tensor_results(r)]
         last = max(list(readers) + deps + closure, key=pos.__getitem__)
