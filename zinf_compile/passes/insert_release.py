@@ -8,7 +8,7 @@ Runs on the forward, backward and inference graphs after partitioning::
 
 At dp = 1 the fetched shard is the full parameter (``w`` is a view of it) and is what gets released,
 unless the fetch reads the shard where it lives (no budget, the shard in the compute device's
-memory: ``ParamHandle.shard_in_place``, the schedule's ``_in_place``): such a release frees nothing,
+memory: ``ParamHandle.shard_in_place``, ``schedule.in_place_uids``): such a release frees nothing,
 and its ``after`` list would only force the readers' results into buffers of their own, so none is
 inserted (counter ``release_skipped_in_place``). Where the compile-time guess is wrong (a fetch that
 copied after all), the copy is still freed, when the graph drops its last reference.
@@ -30,7 +30,7 @@ import torch.fx
 from ..ops import RELEASE, is_zinf, tag
 from ..pipeline import CompileContext
 from ._graph import alias_closure, positions
-from .schedule import _in_place
+from .schedule import in_place_uids
 
 
 def insert_release_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, ctx: CompileContext) -> torch.fx.GraphModule:
@@ -39,7 +39,7 @@ def insert_release_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         return gm
     pos = positions(graph)
     gathers = [n for n in graph.nodes if n.meta.get("zinf", {}).get("owns_full")]
-    in_place = _in_place(ctx)[0]
+    in_place = in_place_uids(ctx)[0]
     for g in gathers:
         closure = alias_closure(g)
         readers = {u for a in closure for u in a.users if u not in closure}

@@ -114,7 +114,7 @@ def _inflight_cap(ctx: CompileContext) -> Optional[int]:
     return cap
 
 
-def _in_place(ctx: CompileContext) -> Tuple[set, set]:
+def in_place_uids(ctx: CompileContext) -> Tuple[set, set]:
     """Parameters whose fetch moves nothing, and those whose gradient moves nothing (uids).
 
     At dp = 1 a shard in the compute device's memory (the device tier, or the CPU tier when the
@@ -152,7 +152,7 @@ def plan_schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
                        ctx: CompileContext) -> torch.fx.GraphModule:
     graph = gm.graph
     pos = positions(graph)
-    still_fetch, still_grad = _in_place(ctx)
+    still_fetch, still_grad = in_place_uids(ctx)
     local = _local_tiers(ctx)
     everything_still = bool(ctx.params) and all(i.world == 1 for i in ctx.params.values()) \
         and _TIERS[ctx.cfg.offload_params] in local
