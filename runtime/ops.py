@@ -8,6 +8,9 @@ partitioned parameter ``p`` (a 0-byte placeholder in the graph) becomes::
                                                              # (dp = 1: aten.view(shard, shape))
     ...uses of full...
     zinf.release(full, uid, [readers...])                     # storage freed, accounting updated
+    ...
+    zinf.keep([shard, full, ...])                             # the graph's last op (passes/keep_alive.py):
+                                                              # no compiler reuses runtime-owned memory
 
 and in backward, the gradient ``g`` of ``p``::
 
@@ -53,6 +56,7 @@ _lib.define("fetch_shard(Tensor param, int uid, int shard_numel, ScalarType dtyp
 _lib.define("all_gather(Tensor shard, int uid, SymInt[] shape) -> Tensor")
 _lib.define("release(Tensor(a!) full, int uid, Tensor[] after) -> ()")
 _lib.define("reduce_grad(Tensor(a!) grad, Tensor param, int uid) -> ()")
+_lib.define("keep(Tensor(a!)[] tensors) -> ()")
 _lib.define("grad_of(Tensor grad, Tensor param, int uid) -> Tensor")
 _lib.define("load(Tensor param, int uid) -> Tensor")
 _lib.define("upload(Tensor param, int uid, int shard_numel, ScalarType dtype, Tensor? loaded) -> Tensor")
@@ -87,6 +91,11 @@ def _reduce_grad(grad: torch.Tensor, param: torch.Tensor, uid: int) -> None:
     store.resolve(param, uid).reduce_grad(grad)
 
 
+def _keep(tensors: Sequence[torch.Tensor]) -> None:
+    """Nothing: its reading ``tensors`` at the graph's end is what keeps a compiler from reusing
+    their memory, which the runtime owns, for a later result (``passes/keep_alive.py``)."""
+
+
 def _grad_of(grad: torch.Tensor, param: torch.Tensor, uid: int) -> torch.Tensor:
     raise RuntimeError("zinf.grad_of is a joint-graph marker, replaced by reduce_grad before running")
 
@@ -108,6 +117,7 @@ for _name, _fn in (
     ("all_gather", _all_gather),
     ("release", _release),
     ("reduce_grad", _reduce_grad),
+    ("keep", _keep),
     ("grad_of", _grad_of),
 ):
     _lib.impl(_name, _fn, "CompositeExplicitAutograd")
@@ -130,6 +140,11 @@ def _release_fake(full: torch.Tensor, uid: int, after: Sequence[torch.Tensor]) -
 
 @torch.library.register_fake("zinf::reduce_grad")
 def _reduce_grad_fake(grad: torch.Tensor, param: torch.Tensor, uid: int) -> None:
+    return None
+
+
+@torch.library.register_fake("zinf::keep")
+def _keep_fake(tensors: Sequence[torch.Tensor]) -> None:
     return None
 
 

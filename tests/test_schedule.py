@@ -19,8 +19,8 @@ import torch.fx
 
 import zinf_compile
 from zinf_compile.models import GPT, GPTConfig, make_batch
-from zinf_compile.ops import (ALL_GATHER, FETCH_SHARD, GATHER, LOAD, REDUCE, REDUCE_GRAD, RELEASE, UPLOAD, WAIT_GATHER,
-                              WAIT_OFFLOAD, WAIT_REDUCE, WAIT_UPLOAD)
+from zinf_compile.ops import (ALL_GATHER, FETCH_SHARD, GATHER, KEEP, LOAD, REDUCE, REDUCE_GRAD, RELEASE, UPLOAD,
+                              WAIT_GATHER, WAIT_OFFLOAD, WAIT_REDUCE, WAIT_UPLOAD)
 from zinf_compile.passes._graph import alias_closure
 
 from conftest import zinf_full_grads
@@ -85,7 +85,7 @@ def _waits_and_releases(graph: torch.fx.Graph) -> None:
         if n.target in STARTS:
             start = n.args[0]
             assert start.target is STARTS[n.target] and order[start] < order[n], n
-            users = [u for u in n.users if u.target is not RELEASE]
+            users = [u for u in n.users if u.target not in (RELEASE, KEEP)]  # keep: the graph's end, reads nothing
             assert users and all(order[n] < order[u] for u in users), n
             if n.target is WAIT_REDUCE:  # its result is the offload's ticket, waited for later on purpose
                 continue
@@ -98,7 +98,7 @@ def _waits_and_releases(graph: torch.fx.Graph) -> None:
             assert n.args[0].target is WAIT_REDUCE and order[n.args[0]] < order[n]
         if n.target is RELEASE:
             full = n.args[0]
-            readers = {u for a in alias_closure(full) for u in a.users if u is not n}
+            readers = {u for a in alias_closure(full) for u in a.users if u is not n and u.target is not KEEP}
             assert all(order[r] < order[n] for r in readers), n
             # the transfer that read the buffer is done: a gathered buffer's all-gather was waited
             # (it is the wait's own result), and a shard read by an all-gather outlives its wait

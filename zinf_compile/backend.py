@@ -7,9 +7,12 @@ patching), then traces forward and backward with AOTAutograd and runs zinf's pas
     Dynamo graph --autocast, plan_tiling, [relayout_tiles: the store re-lays tiled weights],
         tile_matmul--> AOTAutograd joint graph
         --insert_fetch, mark_grads--> min-cut partition
-        forward:   sink_fetch -> insert_release -> plan_schedule -> schedule -> carry                -> Inductor (or eager)
-        backward:  sink_fetch -> reduce_grad -> insert_release -> plan_schedule -> schedule -> carry -> Inductor (or eager)
-        inference: insert_fetch -> sink_fetch -> insert_release -> plan_schedule -> schedule -> carry -> Inductor (or eager)
+        forward:   sink_fetch -> insert_release -> plan_schedule -> schedule -> carry -> keep_alive
+                   -> Inductor (or eager)
+        backward:  sink_fetch -> reduce_grad -> insert_release -> plan_schedule -> schedule -> carry
+                   -> keep_alive -> Inductor (or eager)
+        inference: insert_fetch -> sink_fetch -> insert_release -> plan_schedule -> schedule -> carry
+                   -> keep_alive -> Inductor (or eager)
 
 Every intermediate graph is kept in a ``CompileRecord`` (``zinf_compile.last_graphs()``) and, with
 ``dump_dir``, written out as code.
@@ -36,6 +39,7 @@ from .passes.autocast import autocast_pass
 from .passes.carry import carry_pass, graph_heads
 from .passes.insert_fetch import insert_fetch_pass
 from .passes.insert_release import insert_release_pass
+from .passes.keep_alive import keep_alive_pass
 from .passes.mark_grads import mark_grads_pass
 from .passes.reduce_grad import reduce_grad_pass
 from .passes.plan_tiling import plan_tiling_pass
@@ -56,14 +60,14 @@ SCHEDULE_PASSES: List[Tuple[str, Pass]] = [("plan_schedule", plan_schedule_pass)
 FORWARD_PASSES: List[Tuple[str, Pass]] = [
     ("sink_fetch", sink_fetch_pass),
     ("insert_release", insert_release_pass),
-] + SCHEDULE_PASSES + [("carry", functools.partial(carry_pass, stage="forward"))]
+] + SCHEDULE_PASSES + [("carry", functools.partial(carry_pass, stage="forward")), ("keep_alive", keep_alive_pass)]
 BACKWARD_PASSES: List[Tuple[str, Pass]] = [
     ("sink_fetch", sink_fetch_pass),
     ("reduce_grad", reduce_grad_pass),
     ("insert_release", insert_release_pass),
-] + SCHEDULE_PASSES + [("carry", functools.partial(carry_pass, stage="backward"))]
-INFERENCE_PASSES: List[Tuple[str, Pass]] = [("insert_fetch", insert_fetch_pass)] + FORWARD_PASSES[:-1] + [
-    ("carry", functools.partial(carry_pass, stage="inference"))]
+] + SCHEDULE_PASSES + [("carry", functools.partial(carry_pass, stage="backward")), ("keep_alive", keep_alive_pass)]
+INFERENCE_PASSES: List[Tuple[str, Pass]] = [("insert_fetch", insert_fetch_pass)] + FORWARD_PASSES[:-2] + [
+    ("carry", functools.partial(carry_pass, stage="inference")), ("keep_alive", keep_alive_pass)]
 
 
 def _source_text(node: torch.fx.Node) -> str:

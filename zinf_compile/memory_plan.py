@@ -96,7 +96,7 @@ from zinf_runtime.swap import ALIGN as SWAP_ALIGN
 
 from .analytic import human_bytes
 from .config import Config
-from .ops import CARRY, FETCH_SHARD, REDUCE, REDUCE_BUCKET, REDUCE_GRAD, RELEASE, TICKET_OPS, WAIT_GATHER, WAIT_UPLOAD
+from .ops import CARRY, FETCH_SHARD, KEEP, REDUCE, REDUCE_BUCKET, REDUCE_GRAD, RELEASE, TICKET_OPS, WAIT_GATHER, WAIT_UPLOAD
 from .pipeline import CompileRecord, compile_records
 
 Bytes = Union[int, sympy.Expr]
@@ -268,7 +268,7 @@ class _Builder:
         to_end = {a for a in outs if not (stage == "forward" and a.name in saved)}
 
         def last_use(n: torch.fx.Node) -> Tuple[int, str]:
-            users = [u for u in n.users if u.op != "output"]
+            users = [u for u in n.users if u.op != "output" and u.target is not KEEP]  # keep: no use of memory
             if n in to_end:
                 return self.END, "end"
             if not users:

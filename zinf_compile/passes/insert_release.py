@@ -10,8 +10,9 @@ At dp = 1 the fetched shard is the full parameter (``w`` is a view of it) and is
 unless the fetch reads the shard where it lives (no budget, the shard in the compute device's
 memory: ``ParamHandle.shard_in_place``, ``schedule.in_place_uids``): such a release frees nothing,
 and its ``after`` list would only force the readers' results into buffers of their own, so none is
-inserted (counter ``release_skipped_in_place``). Where the compile-time guess is wrong (a fetch that
-copied after all), the copy is still freed, when the graph drops its last reference.
+inserted (counter ``release_skipped_in_place``); ``keep_alive`` then holds it to the graph's end, so
+no compiler reuses the parameter's memory for a result. Where the compile-time guess is wrong (a
+fetch that copied after all), the copy is still freed, when the graph drops it at its end.
 The last use is taken over ``w`` and everything that may alias it, so freeing the storage can never
 pull data from under a view; the readers' results are passed to ``release`` so that no scheduler
 can move a read (Inductor inlines pointwise reads into later kernels) past the release. A gathered parameter that escapes through the graph's outputs (saved
