@@ -133,8 +133,8 @@ def op_reduce_bucket(grads: List[torch.Tensor], params: List[torch.Tensor], uids
                     out.div_(world)
                     done["waited"] = True
                 i = members[k]
-                # a tensor of its own: the slot may keep it, and must not pin or alias the bucket
-                return handles[i], out[offsets[k]:offsets[k] + sizes[k]].clone(), buffers[k]
+                # a tensor of its own: the slot keeps it (owned), and must not pin or alias the bucket
+                return handles[i], out[offsets[k]:offsets[k] + sizes[k]].clone(), buffers[k], True
 
             for k, i in enumerate(members):
                 tickets[i] = eng.start(Ticket("reduce_scatter", handles[i].name, _nb(grads[i]),

@@ -15,6 +15,8 @@ partitioned parameter ``p`` (a 0-byte placeholder in the graph) becomes::
 and in backward, the gradient ``g`` of ``p``::
 
     zinf.reduce_grad(g, p, uid)                               # reduce-scatter, accumulate fp32 shard
+    zinf.reduce_grad(g, p, uid, donated=True)                 # dp 1 (passes/donate_grads.py): the slot
+                                                              # may take g's memory (kept to the end)
 
 ``uid`` is the parameter the graph was compiled for; the runtime resolves the tensor actually passed
 (``store.resolve``), since Dynamo reuses one compiled graph for every instance of a model class.
@@ -55,7 +57,7 @@ _lib = torch.library.Library("zinf", "DEF")
 _lib.define("fetch_shard(Tensor param, int uid, int shard_numel, ScalarType dtype) -> Tensor")
 _lib.define("all_gather(Tensor shard, int uid, SymInt[] shape) -> Tensor")
 _lib.define("release(Tensor(a!) full, int uid, Tensor[] after) -> ()")
-_lib.define("reduce_grad(Tensor(a!) grad, Tensor param, int uid) -> ()")
+_lib.define("reduce_grad(Tensor(a!) grad, Tensor param, int uid, bool donated=False) -> ()")
 _lib.define("keep(Tensor(a!)[] tensors) -> ()")
 _lib.define("grad_of(Tensor grad, Tensor param, int uid) -> Tensor")
 _lib.define("load(Tensor param, int uid) -> Tensor")
@@ -87,8 +89,8 @@ def _release(full: torch.Tensor, uid: int, after: Sequence[torch.Tensor]) -> Non
     store.ParamHandle.release(full)
 
 
-def _reduce_grad(grad: torch.Tensor, param: torch.Tensor, uid: int) -> None:
-    store.resolve(param, uid).reduce_grad(grad)
+def _reduce_grad(grad: torch.Tensor, param: torch.Tensor, uid: int, donated: bool = False) -> None:
+    store.resolve(param, uid).reduce_grad(grad, donated)
 
 
 def _keep(tensors: Sequence[torch.Tensor]) -> None:
@@ -139,7 +141,7 @@ def _release_fake(full: torch.Tensor, uid: int, after: Sequence[torch.Tensor]) -
 
 
 @torch.library.register_fake("zinf::reduce_grad")
-def _reduce_grad_fake(grad: torch.Tensor, param: torch.Tensor, uid: int) -> None:
+def _reduce_grad_fake(grad: torch.Tensor, param: torch.Tensor, uid: int, donated: bool = False) -> None:
     return None
 
 

@@ -494,8 +494,12 @@ class ParamHandle:
         self.grad_slot.set(shard)
         self._grad_changed(None)
 
-    def reduce_grad(self, grad: torch.Tensor) -> None:
-        """Reduce-scatter (mean over dp) ``grad``; accumulate the fp32 shard on the optimizer's tier."""
+    def reduce_grad(self, grad: torch.Tensor, donated: bool = False) -> None:
+        """Reduce-scatter (mean over dp) ``grad``; accumulate the fp32 shard on the optimizer's tier.
+
+        ``donated``: the caller hands ``grad`` over (nothing else reads or writes it afterwards; the
+        ``donate_grads`` pass proves it for a compiled graph), so at dp = 1 its memory may become the
+        gradient slot instead of being copied there."""
         self._begin_grad()
         acct, nbytes = self.context.accounting, _nbytes(grad)
         acct.gradient_buffer_start(nbytes, self.name)
@@ -504,12 +508,13 @@ class ParamHandle:
                 for t, (lo, hi) in zip(self.tiles, self.tile_bounds):
                     t._reduce(grad.narrow(self.tile_dim, lo, hi - lo))
             else:
-                self._reduce(grad)
+                self._reduce(grad, donated)
         finally:
             acct.gradient_buffer_end(nbytes)
 
-    def _reduce(self, grad: torch.Tensor) -> None:
-        self.accumulate_grad(self.finish_reduce(*self.start_reduce(grad, async_op=False)))
+    def _reduce(self, grad: torch.Tensor, donated: bool = False) -> None:
+        shard = self.finish_reduce(*self.start_reduce(grad, async_op=False))
+        self.accumulate_grad(shard, owned=donated or not _shares_storage(shard, grad))
 
     def start_reduce(self, grad: torch.Tensor, async_op: bool = True) -> Tuple[torch.Tensor, Any]:
         """Start the reduce-scatter of a full gradient: returns the fp32 shard buffer it fills and
@@ -539,8 +544,12 @@ class ParamHandle:
             work.wait()
         return shard.div_(self.world)
 
-    def accumulate_grad(self, shard: torch.Tensor) -> None:
-        """Add a reduced fp32 gradient shard into the gradient slot (device -> optimizer tier)."""
+    def accumulate_grad(self, shard: torch.Tensor, owned: bool = False) -> None:
+        """Add a reduced fp32 gradient shard into the gradient slot (device -> optimizer tier).
+
+        ``owned``: nothing else reads or writes ``shard`` afterwards (a reduce-scatter's output, a
+        cast, a donated gradient), so an empty memory-tier slot takes its memory (``Slot.adopt``)
+        and an NVMe write reads it directly, without a copy."""
         slot = self.grad_slot
         if slot.present and slot.tier == "cpu" and fused_copy_enabled(slot.resident_for_device(), shard):
             # device -> pinned host, accumulating; still running on return: the fence makes every
@@ -550,7 +559,10 @@ class ParamHandle:
             fused_copies["scatter_accumulate"] += 1
             self._grad_changed(None)
         elif not slot.present:
-            slot.set(shard)
+            if owned and slot.adopt(shard):
+                self.context.transfers.counters["grad_adopted"] = self.context.transfers.counters.get("grad_adopted", 0) + 1
+            else:
+                slot.set(shard, donate=owned)
             self._grad_changed(shard if slot.tier == "nvme" else slot.resident())
         elif slot.tier != "nvme":
             slot.resident().add_(shard.to(slot.device))
@@ -647,6 +659,12 @@ class ParamHandle:
 
 # -- fused Triton host<->device copies -------------------------------------------------------------
 fused_copies: Dict[str, int] = {"gather_cast": 0, "scatter_accumulate": 0}
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` may share memory with ``b`` (same storage; empty tensors count as shared)."""
+    pa = a.untyped_storage().data_ptr()
+    return pa == 0 or pa == b.untyped_storage().data_ptr()
 
 
 def fused_copy_enabled(host: torch.Tensor, device_t: torch.Tensor) -> bool:

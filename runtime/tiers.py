@@ -229,6 +229,31 @@ class Slot:
         comm.tag_slot(self._mem, self.key or self.kind)
         self.accounting.add(self.tier, self.kind, self.nbytes)
 
+    def adopt(self, value: torch.Tensor) -> bool:
+        """Make ``value``'s memory this empty memory-tier slot's, instead of allocating and copying.
+
+        Why: a gradient shard the runtime made itself (a reduce-scatter's output, a cast) or a
+        gradient the compiled graph hands over (``reduce_grad(..., donated=True)``) is read by
+        nothing else, so copying it into a fresh slot costs an allocation and a copy of every
+        gradient byte per step, which eager's ``AccumulateGrad`` does not pay either. The caller must
+        own ``value``: nothing else may read or write its storage afterwards.
+
+        Returns False, changing nothing, unless ``value`` is exactly what the slot would hold: the
+        slot empty and in memory, same dtype, device and numel, contiguous, covering its whole
+        storage (not a view into a larger buffer), and pinned where the slot must be.
+        """
+        if self.tier == "nvme" or self._mem is not None:
+            return False
+        if (value.dtype != self.dtype or value.device != self.device or value.numel() != self.numel
+                or value.requires_grad or not value.is_contiguous() or value.storage_offset() != 0
+                or value.untyped_storage().nbytes() != self.nbytes or (self.pin and not value.is_pinned())):
+            return False
+        self.version += 1
+        self._mem = value.view(-1)
+        comm.tag_slot(self._mem, self.key or self.kind)
+        self.accounting.add(self.tier, self.kind, self.nbytes)
+        return True
+
     def set(self, value: torch.Tensor, donate: bool = False, recycle: bool = False) -> None:
         """Store ``value``. It is copied, unless ``donate``: then, on NVMe, the caller hands it over
         and must not change it; with ``recycle`` it goes back to the pool once written."""

@@ -380,9 +380,10 @@ def op_reduce(grad: torch.Tensor, param: torch.Tensor, uid: int) -> torch.Tensor
         buffer = h.context.accounting.gradient_buffer(_nb(grad), h.name)
         buffer.__enter__()  # the full gradient is live until its shard is offloaded
         shard, pending = h.start_reduce(grad)
+        owned = not store._shares_storage(shard, grad)  # dp > 1 or a cast: the slot may keep it
 
-        def reduced() -> Tuple[Any, torch.Tensor, Any]:
-            return h, h.finish_reduce(shard, pending), buffer
+        def reduced() -> Tuple[Any, torch.Tensor, Any, bool]:
+            return h, h.finish_reduce(shard, pending), buffer, owned
 
         return eng.start(Ticket("reduce_scatter", h.name, _nb(grad), reduced, keep=(grad, shard, pending)))
     finally:
@@ -402,10 +403,10 @@ def op_wait_reduce(ticket: torch.Tensor, grad: torch.Tensor, param: torch.Tensor
 def _offload(eng: TransferEngine, t: Ticket, result: Any) -> torch.Tensor:
     if result is None:  # reduced synchronously
         return eng.done("d2h", t.label)
-    h, shard, buffer = result
+    h, shard, buffer, owned = result
 
     def offload() -> None:
-        h.accumulate_grad(shard)
+        h.accumulate_grad(shard, owned=owned)
 
     if shard.is_cuda or _nb(shard) < INLINE_COPY_BYTES:  # CUDA: the copy kernels are async already
         try:

@@ -10,7 +10,7 @@ patching), then traces forward and backward with AOTAutograd and runs zinf's pas
         forward:   sink_fetch -> insert_release -> plan_schedule -> schedule -> carry -> keep_alive
                    -> Inductor (or eager)
         backward:  sink_fetch -> reduce_grad -> insert_release -> plan_schedule -> schedule -> carry
-                   -> keep_alive -> Inductor (or eager)
+                   -> donate_grads -> keep_alive -> Inductor (or eager)
         inference: insert_fetch -> sink_fetch -> insert_release -> plan_schedule -> schedule -> carry
                    -> keep_alive -> Inductor (or eager)
 
@@ -37,6 +37,7 @@ from . import _torch_compat, fallback, rendezvous
 from .config import Config
 from .passes.autocast import autocast_pass
 from .passes.carry import carry_pass, graph_heads
+from .passes.donate_grads import donate_grads_pass
 from .passes.insert_fetch import insert_fetch_pass
 from .passes.insert_release import insert_release_pass
 from .passes.keep_alive import keep_alive_pass
@@ -65,7 +66,8 @@ BACKWARD_PASSES: List[Tuple[str, Pass]] = [
     ("sink_fetch", sink_fetch_pass),
     ("reduce_grad", reduce_grad_pass),
     ("insert_release", insert_release_pass),
-] + SCHEDULE_PASSES + [("carry", functools.partial(carry_pass, stage="backward")), ("keep_alive", keep_alive_pass)]
+] + SCHEDULE_PASSES + [("carry", functools.partial(carry_pass, stage="backward")),
+                        ("donate_grads", donate_grads_pass), ("keep_alive", keep_alive_pass)]
 INFERENCE_PASSES: List[Tuple[str, Pass]] = [("insert_fetch", insert_fetch_pass)] + FORWARD_PASSES[:-2] + [
     ("carry", functools.partial(carry_pass, stage="inference")), ("keep_alive", keep_alive_pass)]
 
