@@ -22,6 +22,7 @@ SMALL = GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4)
     ({"mixed_precision": "fp8"}, "mixed_precision"),
     ({"compiler": "aot_eager"}, "compiler"),
     ({"sync_module_states": "yes"}, "sync_module_states"),
+    ({"disabled_passes": ("keep_alive", "keepalive")}, "disabled_passes"),  # a typo would be ignored
 ])
 def test_bad_option_names_the_key(options, key):
     with pytest.raises(ValueError, match=key):

@@ -72,6 +72,12 @@ INFERENCE_PASSES: List[Tuple[str, Pass]] = [("insert_fetch", insert_fetch_pass)]
     ("carry", functools.partial(carry_pass, stage="inference")), ("keep_alive", keep_alive_pass)]
 
 
+def pass_names() -> frozenset:
+    """Every pass name ``disabled_passes`` may hold (a name nothing runs under would be ignored)."""
+    lists = (DYNAMO_PASSES, JOINT_PASSES, FORWARD_PASSES, BACKWARD_PASSES, INFERENCE_PASSES)
+    return frozenset(name for passes in lists for name, _ in passes)
+
+
 def _source_text(node: torch.fx.Node) -> str:
     source = getattr(node, "_dynamo_source", None)
     text = getattr(source, "name", "") if source is not None else ""

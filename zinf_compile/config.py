@@ -65,7 +65,8 @@ class Config:
         ordered fallback calls); ``"eager"`` runs the rewritten FX graphs as they are (debugging, tests).
     sync_module_states: with dp > 1, broadcast parameter values from the group's rank 0 before
         sharding (as DDP does), so ranks that initialised differently train one model.
-    disabled_passes: names of passes to skip (debugging); see ``zinf_compile.pipeline``.
+    disabled_passes: names of passes to skip (debugging; a name no pass has is an error); see
+        ``zinf_compile.pipeline``.
     tile_threshold_bytes: a matmul whose partitioned weight holds more bytes than this is tiled along
         its output dimension (memory-centric tiling); the default (1 GiB) leaves ordinary models alone.
     tiles: force this tile count for every matmul over the threshold (None: chosen automatically,
@@ -167,6 +168,12 @@ class Config:
                 f"zinf option 'disabled_passes': expected a tuple of pass names, got {self.disabled_passes!r}"
             )
         object.__setattr__(self, "disabled_passes", tuple(self.disabled_passes))
+        from .backend import pass_names  # the pipeline's own lists (imported here: backend imports Config)
+
+        unknown = [p for p in self.disabled_passes if p not in pass_names()]
+        if unknown:
+            raise ValueError(f"zinf option 'disabled_passes': unknown pass name(s) {unknown}; "
+                             f"the passes are {sorted(pass_names())}")
         if "nvme" in (self.offload_params, self.offload_optimizer):
             self._check_nvme_path()
         if not isinstance(self.optimizer_sub_group_bytes, int) or self.optimizer_sub_group_bytes <= 0:
