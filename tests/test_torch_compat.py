@@ -43,7 +43,8 @@ def test_inductor_patches_scope_the_joint_pass_and_cache_setting():
     calls = []
     p = tc.custom_graph_pass(lambda g: calls.append(g), uuid="zinf-test")
     before = (ic.joint_custom_pre_pass, fc.enable_autograd_cache)
-    with tc.inductor_patches(p):
+    with ic.patch({"triton.cudagraphs": True}), tc.inductor_patches(p):  # a user's global setting
+        assert ic.triton.cudagraphs is False
         assert ic.joint_custom_pre_pass is p and fc.enable_autograd_cache is False
         assert fc.force_non_lazy_backward_lowering is True
         assert p.uuid() == "zinf-test"

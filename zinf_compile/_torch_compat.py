@@ -66,14 +66,17 @@ def inductor_patches(joint_pre_pass: Any) -> Iterator[None]:
     The AOTAutograd cache would replay compiled graphs without running our passes (which register
     per-compile state), so it is off for zinf compiles; Inductor's own FX-graph cache stays on (it
     keys on the final graph, zinf nodes and their constant uids included). The backward is
-    compiled with the forward (see ``eager_patches``).
+    compiled with the forward (see ``eager_patches``). CUDA graphs are off for zinf compiles even
+    where a user turned them on globally: zinf's ops do host work (IO, collectives, the store) that a
+    replay would skip, and a replay rewrites its output pool, which a gradient slot may own
+    (``passes/donate_grads.py``).
     """
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    with inductor_config.patch(joint_custom_pre_pass=joint_pre_pass), functorch_config.patch(
-        enable_autograd_cache=False, force_non_lazy_backward_lowering=True
-    ):
+    inductor = inductor_config.patch({"joint_custom_pre_pass": joint_pre_pass, "triton.cudagraphs": False})
+    functorch = functorch_config.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=True)
+    with inductor, functorch:
         yield
 
 
