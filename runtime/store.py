@@ -560,7 +560,8 @@ class ParamHandle:
             self._grad_changed(None)
         elif not slot.present:
             if owned and slot.adopt(shard):
-                self.context.transfers.counters["grad_adopted"] = self.context.transfers.counters.get("grad_adopted", 0) + 1
+                counters = self.context.transfers.counters
+                counters["grad_adopted"] = counters.get("grad_adopted", 0) + 1
             else:
                 slot.set(shard, donate=owned)
             self._grad_changed(shard if slot.tier == "nvme" else slot.resident())

@@ -20,7 +20,9 @@ from zinf_compile.models import MLP
 from zinf_compile.pipeline import compile_records
 from zinf_runtime import tiers
 
-from conftest import zinf_full_grads, assert_grads_equal, assert_grads_within_reduction_bound, assert_same_training, train_pair
+from conftest import (assert_grads_equal, assert_grads_within_reduction_bound, assert_same_training, train_pair,
+                      zinf_full_grads)
+from test_keep_alive import SameShape
 
 
 def _slot(n: int = 8) -> tiers.Slot:
@@ -72,18 +74,6 @@ def test_adopt_refuses_what_the_slot_cannot_own_and_changes_nothing(case, tmp_pa
         assert not s.present
 
 
-class SharedGrad(nn.Module):
-    """``w``'s gradient is also ``x``'s: the same tensor goes to the slot and back to autograd."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(6, 16))
-        self.lin = nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(torch.tanh(x + self.w))
-
-
 def _counters(model: nn.Module) -> dict:
     return zinf_runtime.handle_of(next(model.parameters())).context.transfers.counters
 
@@ -94,10 +84,11 @@ def _graph_counters() -> dict:
 
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_a_gradient_also_returned_to_autograd_is_not_donated(compiler):
-    """If ``w``'s slot took the tensor returned as ``x.grad``, the second micro-batch's accumulation
-    into either would change the other; eager's numbers catch that."""
+    """In ``lin(tanh(x + w))`` the gradient of ``w`` is also ``x``'s. If ``w``'s slot took the
+    tensor returned as ``x.grad``, the second micro-batch's accumulation into either would change
+    the other; eager's numbers catch that."""
     torch.manual_seed(0)
-    ref = SharedGrad()
+    ref = SameShape()
     model = copy.deepcopy(ref)
     cm = torch.compile(model, backend="zinf", options={"compiler": compiler})
     xr = torch.randn(6, 16, requires_grad=True)
@@ -126,7 +117,8 @@ def test_donated_gradients_are_marked_and_kept_to_the_graph_end():
     assert rec.counters["grads_donated"] >= 1
     bw = [s for s in zinf_compile.last_graphs(all_graphs=True) if s.stage == "backward"][-1].code
     lines = [ln.strip() for ln in bw.splitlines() if ln.strip()]
-    donated = [ln.split(".default(")[1].split(",")[0] for ln in lines if "reduce_grad.default(" in ln and "donated = True" in ln]
+    donated = [ln.split(".default(")[1].split(",")[0] for ln in lines
+               if "reduce_grad.default(" in ln and "donated = True" in ln]
     assert len(donated) == rec.counters["grads_donated"]
     keep = [ln for ln in lines if "zinf.keep.default(" in ln]
     assert len(keep) == 1 and lines[-1].startswith("return")
