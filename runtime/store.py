@@ -514,7 +514,7 @@ class ParamHandle:
 
     def _reduce(self, grad: torch.Tensor, donated: bool = False) -> None:
         shard = self.finish_reduce(*self.start_reduce(grad, async_op=False))
-        self.accumulate_grad(shard, owned=donated or not _shares_storage(shard, grad))
+        self.accumulate_grad(shard, owned=donated or not shares_storage(shard, grad))
 
     def start_reduce(self, grad: torch.Tensor, async_op: bool = True) -> Tuple[torch.Tensor, Any]:
         """Start the reduce-scatter of a full gradient: returns the fp32 shard buffer it fills and
@@ -662,7 +662,7 @@ class ParamHandle:
 fused_copies: Dict[str, int] = {"gather_cast": 0, "scatter_accumulate": 0}
 
 
-def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` may share memory with ``b`` (same storage; empty tensors count as shared)."""
     pa = a.untyped_storage().data_ptr()
     return pa == 0 or pa == b.untyped_storage().data_ptr()

@@ -380,7 +380,7 @@ def op_reduce(grad: torch.Tensor, param: torch.Tensor, uid: int) -> torch.Tensor
         buffer = h.context.accounting.gradient_buffer(_nb(grad), h.name)
         buffer.__enter__()  # the full gradient is live until its shard is offloaded
         shard, pending = h.start_reduce(grad)
-        owned = not store._shares_storage(shard, grad)  # dp > 1 or a cast: the slot may keep it
+        owned = not store.shares_storage(shard, grad)  # dp > 1 or a cast: the slot may keep it
 
         def reduced() -> Tuple[Any, torch.Tensor, Any, bool]:
             return h, h.finish_reduce(shard, pending), buffer, owned

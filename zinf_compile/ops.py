@@ -32,7 +32,7 @@ GATHER_BUCKET = torch.ops.zinf.gather_bucket.default  # a list of tickets, one p
 REDUCE_BUCKET = torch.ops.zinf.reduce_bucket.default  # likewise
 CARRY_TICKET = torch.ops.zinf.carry_ticket.default
 CARRY = torch.ops.zinf.carry.default
-KEEP = torch.ops.zinf.keep.default  # donate_grads: the donated gradients read at the graph's end
+KEEP = torch.ops.zinf.keep.default  # keep_alive: runtime-owned tensors read at the graph's end
 TICKET_OPS = (LOAD, UPLOAD, GATHER, REDUCE, WAIT_REDUCE, GATHER_BUCKET, REDUCE_BUCKET, CARRY_TICKET)  # their results are tickets, not data
 WAIT_OPS = (WAIT_UPLOAD, WAIT_GATHER, WAIT_REDUCE, WAIT_OFFLOAD)
 
