@@ -30,7 +30,7 @@ accumulation only the first micro-batch's gradient is adopted; later ones are ad
 from __future__ import annotations
 
 import operator
-from typing import Any, List, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.fx
@@ -95,16 +95,12 @@ def donatable(grad: Any, reducer: torch.fx.Node) -> bool:
 
 def donate_grads_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
                       ctx: CompileContext) -> torch.fx.GraphModule:
-    graph = gm.graph
-    donated: List[torch.fx.Node] = []
-    for n in graph.nodes:
+    for n in gm.graph.nodes:
         if not is_zinf(n, REDUCE_GRAD):
             continue
-        g = n.args[0]
-        if g not in donated and donatable(g, n):
+        if donatable(n.args[0], n):  # its only reader is n: no other reduce_grad can donate it too
             n.kwargs = {**n.kwargs, "donated": True}
             n.meta["zinf"]["donated"] = True
-            donated.append(g)
             ctx.record.counters["grads_donated"] += 1
         else:
             ctx.record.counters["grads_not_donated"] += 1
