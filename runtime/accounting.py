@@ -24,7 +24,7 @@ import weakref
 from typing import Dict, Iterator, Optional, Tuple
 
 TIERS = ("device", "cpu", "nvme")
-KINDS = ("param", "grad", "optim", "gathered", "grad_buffer", "materialized")
+KINDS = ("param", "grad", "optim", "gathered", "grad_buffer", "comm", "materialized")
 
 Stats = Dict[str, Dict[str, Dict[str, int]]]
 _VALID = frozenset((t, k) for t in TIERS for k in KINDS)
@@ -162,9 +162,18 @@ class Accounting:
     def gradient_buffer_end(self, nbytes: int) -> None:
         self.add_kinds("device", _GRAD_BUFFER, -nbytes)
 
+    def comm_buffers(self, owner: object, nbytes: int) -> None:
+        """A coalesced collective's flat buffers (``zinf_runtime.bucket``: the packed input and the
+        collective's output) hold ``nbytes`` on the device until ``owner`` (the output) is freed.
+        Not budget-checked: a bucket only coalesces parameters under ``bucket_bytes``, and refusing
+        one mid-graph would leave its members' waits without a collective."""
+        self.add_kinds("device", _COMM, nbytes)
+        weakref.finalize(owner, self.add_kinds, "device", _COMM, -int(nbytes))
+
 
 _GATHERED = ("gathered", "materialized")
 _GRAD_BUFFER = ("grad_buffer", "materialized")
+_COMM = ("comm", "materialized")
 _all: "weakref.WeakSet[Accounting]" = weakref.WeakSet()
 
 #: The process-wide view: every model's bytes plus bytes no model owns. It has no budget.

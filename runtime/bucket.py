@@ -52,6 +52,7 @@ def op_gather_bucket(shards: List[torch.Tensor], uids: List[int]) -> List[torch.
     try:
         packed = torch.cat([s.reshape(-1) for s in shards])
         out = torch.empty(world * total, dtype=packed.dtype, device=packed.device)
+        first.context.accounting.comm_buffers(out, _nb(packed) + _nb(out))  # freed with the last ticket
         work = comm.all_gather_flat(out, packed, first.placement.group, async_op=True)
         eng.counters["all_gather_bucket"] = eng.counters.get("all_gather_bucket", 0) + 1
         unpacked: Dict[str, Optional[List[torch.Tensor]]] = {"bufs": None}
@@ -121,6 +122,7 @@ def op_reduce_bucket(grads: List[torch.Tensor], params: List[torch.Tensor], uids
                 pack[:, off:off + n].copy_(flat.view(world, n))
                 off += n
             out = torch.empty(total, dtype=torch.float32, device=device)
+            first.context.accounting.comm_buffers(out, _nb(pack) + _nb(out))
             work = comm.reduce_scatter_flat(out, pack.view(-1), first.placement.group, async_op=True)
             eng.counters["reduce_scatter_bucket"] = eng.counters.get("reduce_scatter_bucket", 0) + 1
             done: Dict[str, bool] = {"waited": False}

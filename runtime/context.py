@@ -200,7 +200,10 @@ def memory_stats(model: Any = None) -> accounting.Stats:
 
     ``gathered`` is the bytes of full (all-gathered) parameters materialized on the compute device;
     ``grad_buffer`` the full gradients handed to ``reduce_grad`` (live until reduced);
-    ``materialized`` their sum, the parameter + gradient working memory the paper's tiling bounds.
+    ``comm`` the flat buffers zinf allocates for coalesced collectives (``bucket_bytes``: packed input
+    and output, live from the bucket's start to its last member's wait; a collective backend's own
+    staging, such as gloo's copies, is not zinf's and not booked); ``materialized`` the sum of the three,
+    the parameter + gradient working memory the paper's tiling bounds.
     ``param``, ``grad`` and ``optim`` are the bytes of this rank's shards (parameters incl.
     compute-dtype copies, fp32 gradients, NVMe optimizer state) held on each tier; the state of a
     memory-tier optimizer is counted process-wide only.

@@ -11,6 +11,12 @@ tensor gets a live interval on the schedule (forward nodes, then backward nodes)
                          holds them that long; ``hold_saved=False``: to their last reader); outputs to the end
     device  gathered     a fetched / all-gathered full parameter, from fetch to its ``zinf.release``
     device  grad_buffer  a parameter's gradient, until ``zinf.reduce_grad`` consumed it (+ its copies there)
+    device  comm         bucket:    a coalesced collective's flat buffers (``bucket_bytes``, dp > 1): the
+                                    packed input and the output, from ``gather_bucket`` / ``reduce_bucket``
+                                    to its last member's wait (the runtime books them as ``comm`` too)
+                         gloo_copy: on a gloo group, the backend's own staging: its all-gather receives
+                                    into a flat copy of the output and its reduce-scatter reduces a copy of
+                                    the input, from the collective's start to its wait (NCCL has none)
     <tier>  param/grad/optim   the runtime's shards: fp32 masters (+ compute-dtype copies) for the whole
                          step, a gradient shard from its first reduce_grad on, optimizer state if asked
 
@@ -54,7 +60,7 @@ With ``dynamic=True`` (or ``dynamic={0: [0]}``: input 0's dim 0) sizes are sympy
 size symbols, e.g. ``Max(45696*s33 + 138376, 64128*s33 + 86152)`` bytes; ``plan.symbols`` says which
 input dimension each stands for (``{"s33": "input 0 dim 0"}``) and ``plan.evaluate(s33=8)`` gives the
 concrete plan. ``plan.to_json()``; ``plan.plot("mem.png")``: device bytes per kind over the schedule
-(matplotlib if installed, else a plain PNG: shards grey at the bottom, gathered orange, grad_buffer
+(matplotlib if installed, else a plain PNG: shards grey at the bottom, gathered orange, comm brown, grad_buffer
 green, activation blue; red line = peak, black line = forward/backward boundary). With ``dump_dir`` the
 plan is also written there as plan.json / plan.txt; ``zinf memplan`` is the command-line front end.
 
@@ -96,12 +102,13 @@ from zinf_runtime.swap import ALIGN as SWAP_ALIGN
 
 from .analytic import human_bytes
 from .config import Config
-from .ops import CARRY, FETCH_SHARD, KEEP, REDUCE, REDUCE_BUCKET, REDUCE_GRAD, RELEASE, TICKET_OPS, WAIT_GATHER, WAIT_UPLOAD
+from .ops import (ALL_GATHER, CARRY, FETCH_SHARD, GATHER, GATHER_BUCKET, KEEP, REDUCE, REDUCE_BUCKET, REDUCE_GRAD, RELEASE, TICKET_OPS,
+                  WAIT_GATHER, WAIT_REDUCE, WAIT_UPLOAD)
 from .pipeline import CompileRecord, compile_records
 
 Bytes = Union[int, sympy.Expr]
 TIERS = ("device", "cpu", "nvme")
-KINDS = ("activation", "gathered", "grad_buffer", "param", "grad", "optim", "staging")
+KINDS = ("activation", "gathered", "grad_buffer", "comm", "param", "grad", "optim", "staging")
 _OPTIM_BYTES = {None: (0, 0), "adam": (8, 4), "adamw": (8, 4), "sgd": (4, 0)}  # per element, per param
 _MAYBE_ALIAS = {torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
                 torch.ops.aten.contiguous.default, torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout}
@@ -374,6 +381,9 @@ class _Builder:
         otier = tiers[rec.config.offload_optimizer]  # fp32 master, gradient shard, optimizer state
         for n in nodes:
             z = n.meta.get("zinf") or {}
+            if n.op == "call_function" and n.target in (GATHER_BUCKET, REDUCE_BUCKET, GATHER, ALL_GATHER, REDUCE,
+                                                         REDUCE_GRAD):
+                self._comm_intervals(stage, n, pos)
             if n.op == "call_function" and n.target is REDUCE_BUCKET:  # one reduce-scatter, several gradients
                 for g, u, name in zip(n.args[0], n.args[2], z.get("params") or [None] * len(n.args[2])):
                     hb = _handle(u)
@@ -419,6 +429,47 @@ class _Builder:
                                                               nb, pos[n], self.END, "end", (), param))
                 continue
             self._grad_intervals(stage, n, n.args[0], uid, param, h, shard_numel, otier, pos)
+
+    def _comm_intervals(self, stage: str, n: torch.fx.Node, pos: Dict[torch.fx.Node, int]) -> None:
+        """A collective's flat buffers on the device (``zinf_runtime.bucket``, ``ParamHandle``'s gather
+        and reduce), from its start to its wait (a bucket's: its last member's, whose ticket is the last
+        to hold them). A bucket's own: for ``gather_bucket`` the packed shards and the (world, total)
+        output in the shards' dtype, for ``reduce_bucket`` the fp32 (world, total) pack and the
+        total-element output; members the runtime reduces alone (tiled elsewhere, or not
+        dp-partitioned) are left out, as there. On a gloo group, besides: gloo's staging copy of the
+        (world, total) elements. A synchronous ``all_gather`` / ``reduce_grad`` holds them for its
+        own step only."""
+        bucket = n.target in (GATHER_BUCKET, REDUCE_BUCKET)
+        gather = n.target in (GATHER_BUCKET, GATHER, ALL_GATHER)
+        if bucket:
+            uids = n.args[1] if gather else n.args[2]
+            shard = n.args[0][0] if gather else None
+        else:
+            uids = [n.args[1] if gather else n.args[2]]
+            shard = n.args[0] if gather else None
+        handles = [_handle(u) for u in uids]
+        if any(h is None for h in handles):
+            return
+        handles = [h for h in handles if h.world > 1 and h.placement.partition == "bandwidth"
+                   and (gather or not bucket or h.tiles is None)]
+        if not handles or (not bucket and handles[0].tiles is not None):
+            return  # dp 1, broadcast, or a tiled parameter (each tile reduced by its own call)
+        world, total = handles[0].world, sum(h.shard_numel for h in handles)
+        val = shard.meta.get("val") if isinstance(shard, torch.fx.Node) else None
+        item = val.element_size() if gather and isinstance(val, torch.Tensor) else 4  # gradients reduce in fp32
+        if n.target in TICKET_OPS:  # started here, waited for later
+            waits = [w for t in (n.users if bucket else [n]) for w in t.users
+                     if w.target in (WAIT_GATHER, WAIT_REDUCE) and w in pos]
+        else:
+            waits = []
+        last = max(waits, key=pos.__getitem__) if waits else n
+        where = f"{stage}:{last.name}"
+        if bucket:
+            self.extra.append(Interval(f"{stage}:{n.name}", "device", "comm", "bucket", (world + 1) * total * item,
+                                       pos[n], pos[last], where, (), None))
+        if _backend(handles[0]) == "gloo":
+            self.extra.append(Interval(f"{stage}:{n.name}", "device", "comm", "gloo_copy", world * total * item,
+                                       pos[n], pos[last], where, (), None if bucket else handles[0].name))
 
     def _grad_intervals(self, stage: str, n: torch.fx.Node, grad: torch.fx.Node, uid: int, param: Optional[str],
                         h: Any, shard_numel: Optional[int], otier: str, pos: Dict[torch.fx.Node, int]) -> None:
@@ -560,6 +611,16 @@ def _handle(uid: int) -> Optional[store.ParamHandle]:
     try:
         return store.get(uid)
     except RuntimeError:
+        return None
+
+
+def _backend(h: store.ParamHandle) -> Optional[str]:
+    """The collective backend of ``h``'s dp group ("gloo", "nccl", ...), None if unknown."""
+    try:
+        import torch.distributed as dist
+
+        return str(dist.get_backend(h.placement.group))
+    except Exception:
         return None
 
 
@@ -798,8 +859,9 @@ class MemoryPlan:
         return path
 
 
-_STACK = ("param", "optim", "grad", "staging", "gathered", "grad_buffer", "activation")  # bottom to top
+_STACK = ("param", "optim", "grad", "staging", "gathered", "comm", "grad_buffer", "activation")  # bottom to top
 _COLORS = {"activation": (66, 133, 244), "gathered": (244, 160, 0), "grad_buffer": (15, 157, 88),
+           "comm": (141, 110, 99),
            "param": (150, 150, 150), "grad": (120, 120, 120), "optim": (90, 90, 90), "staging": (171, 71, 188)}
 
 
