@@ -72,6 +72,7 @@ _lib.define("gather_bucket(Tensor[] shards, int[] uids) -> Tensor[]")
 _lib.define("reduce_bucket(Tensor[] grads, Tensor[] params, int[] uids) -> Tensor[]")
 _lib.define("carry_ticket(int key) -> Tensor")
 _lib.define("carry(Tensor(a!) ticket, Tensor[] after, int key, str stage, int[] uids) -> ()")
+_lib.define("copy_out(Tensor t) -> Tensor")
 
 
 def _fetch_shard(param: torch.Tensor, uid: int, shard_numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -98,6 +99,17 @@ def _keep(tensors: Sequence[torch.Tensor]) -> None:
     their memory, which the runtime owns, for a later result (``passes/keep_alive.py``)."""
 
 
+def _copy_out(t: torch.Tensor) -> torch.Tensor:
+    """A fresh copy of ``t`` (``passes/copy_escaping.py``: a returned view of a parameter). An opaque
+    op, not ``aten.clone``, because Inductor removes a clone whose input it takes for a temporary,
+    which here is the parameter's own memory."""
+    return t.clone()
+
+
+def _copy_out_backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+    return grad
+
+
 def _grad_of(grad: torch.Tensor, param: torch.Tensor, uid: int) -> torch.Tensor:
     raise RuntimeError("zinf.grad_of is a joint-graph marker, replaced by reduce_grad before running")
 
@@ -121,8 +133,16 @@ for _name, _fn in (
     ("reduce_grad", _reduce_grad),
     ("keep", _keep),
     ("grad_of", _grad_of),
+    ("copy_out", _copy_out),
 ):
     _lib.impl(_name, _fn, "CompositeExplicitAutograd")
+
+torch.library.register_autograd("zinf::copy_out", _copy_out_backward)
+
+
+@torch.library.register_fake("zinf::copy_out")
+def _copy_out_fake(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t)
 
 
 @torch.library.register_fake("zinf::fetch_shard")

@@ -37,6 +37,7 @@ from . import _torch_compat, fallback, rendezvous
 from .config import Config
 from .passes.autocast import autocast_pass
 from .passes.carry import carry_pass, graph_heads
+from .passes.copy_escaping import copy_escaping_params_pass
 from .passes.donate_grads import donate_grads_pass
 from .passes.insert_fetch import insert_fetch_pass
 from .passes.insert_release import insert_release_pass
@@ -52,6 +53,7 @@ from .pipeline import CompileContext, Pass, ParamInfo, new_record, run_passes
 log = logging.getLogger("zinf_compile")
 
 DYNAMO_PASSES: List[Tuple[str, Pass]] = [
+    ("copy_escaping", copy_escaping_params_pass),
     ("autocast", autocast_pass),
     ("plan_tiling", plan_tiling_pass),
     ("tile_matmul", tile_matmul_pass),

@@ -33,6 +33,7 @@ REDUCE_BUCKET = torch.ops.zinf.reduce_bucket.default  # likewise
 CARRY_TICKET = torch.ops.zinf.carry_ticket.default
 CARRY = torch.ops.zinf.carry.default
 KEEP = torch.ops.zinf.keep.default  # keep_alive: runtime-owned tensors read at the graph's end
+COPY_OUT = torch.ops.zinf.copy_out.default  # copy_escaping: a returned view of a parameter, copied (a plain op)
 TICKET_OPS = (LOAD, UPLOAD, GATHER, REDUCE, WAIT_REDUCE, GATHER_BUCKET, REDUCE_BUCKET, CARRY_TICKET)  # their results are tickets, not data
 WAIT_OPS = (WAIT_UPLOAD, WAIT_GATHER, WAIT_REDUCE, WAIT_OFFLOAD)
 
