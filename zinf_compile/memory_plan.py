@@ -494,8 +494,11 @@ class _Builder:
                                                           per_param, 0, self.END, "end", (), param))
         copy_bytes = self._reduce_copy_bytes(grad.meta.get("val"), h)
         if copy_bytes:
+            # a started reduce-scatter keeps its input copy until its wait (ParamHandle.start_reduce)
+            waits = [w for w in n.users if w.target is WAIT_REDUCE and w in pos] if n.target is REDUCE else []
+            last = max(waits, key=pos.__getitem__) if waits else n
             self.extra.append(Interval(f"{stage}:{n.name}", "device", "grad_buffer", "reduce_copy", copy_bytes,
-                                       pos[n], pos[n], f"{stage}:{n.name}", (), param))
+                                       pos[n], pos[last], f"{stage}:{last.name}", (), param))
 
     def _files(self, iv: Interval, rewritten: set) -> int:
         """Files an NVMe shard keeps on disk in steady training: two for a key rewritten every step
@@ -523,6 +526,8 @@ class _Builder:
         flat = numel * 4 if (not contiguous or val.dtype != torch.float32) else 0
         if h is None or h.world == 1:
             return flat
+        if h.owner is not None:  # partition="broadcast": a private fp32 copy for dist.reduce to clobber,
+            return flat + (0 if h.rank == h.owner else h.numel * 4)  # the owner's kept as its gradient shard
         pad = h.padded_numel * 4 if h.padded_numel != h.numel else 0
         return flat + pad + h.shard_numel * 4
 
@@ -697,8 +702,11 @@ class MemoryPlan:
         """Peak bytes of the NVMe tier's files on disk in steady training: each shard's file is padded to
         the swap engine's O_DIRECT alignment (4096 bytes), and with ``nvme_reuse_files`` (the default) a
         shard rewritten every step has two files (its current version and the spare its next write
-        overwrites). So this is what ``du`` of the swap folder shows from the second step on, not the
-        payload that ``peak("nvme")`` and the runtime's accounting count."""
+        overwrites). A gradient counts two as well, which it keeps only while it is accumulated
+        over several backwards: ``zero_grad`` leaves one file, which the next backward overwrites in
+        place. So this is the peak ``du`` of the swap folder from the second step on (one backward
+        per step: less one file per gradient), not the payload that ``peak("nvme")`` and the
+        runtime's accounting count."""
         diff: List[Bytes] = [0] * (len(self.steps) + 1)
         for iv in self.intervals:
             if iv.tier == "nvme" and (kind is None or iv.kind == kind):
