@@ -795,7 +795,28 @@ class PartitionedParameter(torch.nn.Parameter):
     """
 
     def _has_data(self) -> bool:
-        return self.untyped_storage().nbytes() >= (self.storage_offset() + self.numel()) * self.element_size()
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.untyped_storage().nbytes() >= (self.storage_offset() + self.numel()) * self.element_size()
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        """Refuse a torch call that would read or write a parameter whose data lives in the shards.
+
+        The parameter keeps its shape over 0 bytes of storage, so an eager kernel reading it would read
+        unmapped memory and kill the process; this turns that into a ``PartitionedDataError`` naming the
+        parameter and the way to reach its values. Metadata calls, zinf's own ops, calls traced by Dynamo
+        and parameters whose storage holds data (inside ``gathered``) pass through untouched, exactly as
+        ``nn.Parameter`` does.
+        """
+        if kwargs is None:
+            kwargs = {}
+        # cheapest tests first: a compiled graph's zinf ops come here once per parameter use (~2 us
+        # each on top of nn.Parameter's own dispatch); Dynamo, tracing this, sees only the first
+        if not (torch.compiler.is_compiling() or getattr(func, "namespace", None) == "zinf" or func in _DATA_FREE):
+            for t in _partitioned_args(args, kwargs):
+                if not t._has_data():
+                    raise PartitionedDataError(_access_message(t, func))
+        return super().__torch_function__(func, types, args, kwargs)
 
     def __repr__(self) -> str:
         if self._has_data():
@@ -821,7 +842,55 @@ class PartitionedParameter(torch.nn.Parameter):
         return self._plain().__reduce_ex__(proto)
 
 
-def _free_storage(params: Sequence[torch.nn.Parameter]) -> None:
+class PartitionedDataError(RuntimeError):
+    """Eager code read or wrote a partitioned parameter, whose storage is 0 bytes."""
+
+
+def _partitioned_args(args: tuple, kwargs: dict) -> Iterator["PartitionedParameter"]:
+    """The partitioned parameters among a call's arguments, one level into lists and tuples
+    (``torch.cat``, ``_foreach_*``)."""
+    for a in itertools.chain(args, kwargs.values()):
+        if type(a) is PartitionedParameter:
+            yield a
+        elif type(a) in (list, tuple):
+            for t in a:
+                if type(t) is PartitionedParameter:
+                    yield t
+
+
+def _data_free_calls() -> frozenset:
+    """Torch calls on a tensor that touch no element: sizes, flags, autograd fields, storage handles."""
+    T = torch.Tensor
+    methods = (T.size, T.dim, T.numel, T.nelement, T.stride, T.storage_offset, T.is_contiguous,
+               T.element_size, T.untyped_storage, T.__hash__, T.requires_grad_, T.is_floating_point,
+               T.is_complex, T.get_device, T.data_ptr, T.is_pinned, T.__reduce_ex__, T.__deepcopy__,
+               T.__setstate__, T._is_view, T.retain_grad, T.register_hook, T.register_post_accumulate_grad_hook,
+               T.dim_order, T.is_shared, T.is_signed, T.is_inference)
+    props = ("shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "ndim", "layout",
+             "is_cuda", "is_cpu", "is_meta", "is_mps", "is_xpu", "_version", "is_sparse", "is_quantized",
+             "is_nested", "_base", "names", "itemsize", "nbytes", "_grad", "_grad_fn", "_backward_hooks",
+             "_post_accumulate_grad_hooks", "is_mkldnn", "is_sparse_csr", "output_nr", "_cdata", "name",
+             "retains_grad", "_python_dispatch")
+    getters = {getattr(T, a).__get__ for a in props if hasattr(T, a) and hasattr(getattr(T, a), "__get__")}
+    setters = {getattr(T, a).__set__ for a in ("requires_grad", "grad", "_grad", "data", "_backward_hooks",
+                                               "_post_accumulate_grad_hooks")
+               if hasattr(getattr(T, a, None), "__set__")}
+    return frozenset(methods) | frozenset(getters) | frozenset(setters)
+
+
+_DATA_FREE = _data_free_calls()
+
+
+def _access_message(p: "PartitionedParameter", func: Any) -> str:
+    h = handle_of(p)
+    name = repr(h.name) if h is not None else "(a tile or stand-in)"
+    what = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    return (f"zinf: {what} on partitioned parameter {name}, whose data lives in zinf's shards (its own storage "
+            "is 0 bytes). Read or change it inside `with zinf_compile.gathered(model):`, or take a copy with "
+            "zinf_compile.full_state_dict(model); the compiled module reads it for you.")
+
+
+def _free_storage(params: Sequence[torch.nn.Parameter], retype: bool = True) -> None:
     """Resize each parameter's storage to 0 bytes, after every shard was copied out.
 
     A parameter that shares its storage with other tensors (a view into a flat buffer) first gets a
@@ -832,18 +901,34 @@ def _free_storage(params: Sequence[torch.nn.Parameter]) -> None:
         if p.storage_offset() != 0 or storage.nbytes() != p.numel() * p.element_size():
             p.data = torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device=p.device)
         p.untyped_storage().resize_(0)
-        if type(p) is torch.nn.Parameter:
+    if retype:
+        retype_partitioned(params)
+
+
+def retype_partitioned(params: Iterable[torch.Tensor]) -> None:
+    """Give each partitioned plain ``nn.Parameter`` the class ``PartitionedParameter``.
+
+    The backend partitions while Dynamo compiles, and calls this only once its compile succeeded:
+    Dynamo may restart the analysis from inside the backend (``dynamic=True``), and a retrace that
+    finds the parameters' class changed inlines ``PartitionedParameter.__torch_function__`` where the
+    first trace did not, which Dynamo refuses (``SpeculationLogDivergence``). A user's own Parameter
+    subclass keeps its class (and is not guarded against eager reads).
+    """
+    for p in params:
+        if type(p) is torch.nn.Parameter and handle_of(p) is not None:
             p.__class__ = PartitionedParameter
 
 
 def partition(
-    params: Iterable[tuple[str, torch.nn.Parameter]], placement: Placement, sync_from_rank0: bool = True
+    params: Iterable[tuple[str, torch.nn.Parameter]], placement: Placement, sync_from_rank0: bool = True,
+    retype: bool = True,
 ) -> List[int]:
     """Move each parameter's data into the store (idempotent); return the uids in order.
 
     With dp > 1 the values of the group's rank 0 win (as in DDP), so ranks that initialised
     differently still train one model. New parameters join ``placement.context`` or, if it names
-    none, the context chosen by ``zinf_runtime.context.resolve_context`` (their model's).
+    none, the context chosen by ``zinf_runtime.context.resolve_context`` (their model's). With
+    ``retype=False`` the parameters keep their class until ``retype_partitioned`` (the backend's case).
     """
     items = list(params)
     new: List[tuple[str, torch.nn.Parameter]] = []
@@ -876,7 +961,7 @@ def partition(
             setattr(p, UID_ATTR, h.uid)
             weakref.finalize(p, _forget, h.uid)
             del flat
-            _free_storage([p])  # one at a time: the whole model never exists twice
+            _free_storage([p], retype)  # one at a time: the whole model never exists twice
     if new:
         global epoch
         epoch += 1

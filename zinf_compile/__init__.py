@@ -6,7 +6,7 @@
 Parameters are sharded 1/dp per rank into the runtime's store; see README.md.
 """
 
-from zinf_runtime import memory_stats, reset_peak_memory_stats
+from zinf_runtime import PartitionedDataError, memory_stats, reset_peak_memory_stats
 
 from . import optim
 from .backend import zinf_backend
@@ -25,6 +25,7 @@ __all__ = [
     "export",
     "checkpoint_exists",
     "CheckpointError",
+    "PartitionedDataError",
     "optim",
     "zinf_backend",
     "full_state_dict",

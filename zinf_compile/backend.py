@@ -168,7 +168,8 @@ def _partition_inputs(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: 
         partition=cfg.partition,
     )
     names = [_param_name(phs[i]) if i < len(phs) else f"input{i}" for i, _ in found]
-    uids = zinf_runtime.partition([(n, t) for n, (_, t) in zip(names, found)], placement, cfg.sync_module_states)
+    uids = zinf_runtime.partition([(n, t) for n, (_, t) in zip(names, found)], placement, cfg.sync_module_states,
+                                  retype=False)  # retyped once the compile succeeded (compile_graph)
     if cfg.sync_module_states:  # buffers are replicated: rank 0's values win, as for the parameters
         buffers = [t for i, t in enumerate(example_inputs) if i < len(phs) and isinstance(t, torch.Tensor)
                    and not isinstance(t, torch.nn.Parameter) and "_buffers[" in _source_text(phs[i])]
@@ -231,6 +232,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: Conf
     # after compiling: a forward pre-hook registered before a Dynamo restart (dynamic=True) would
     # send the retrace down another call path than the first trace, which Dynamo refuses
     fallback.install_call_guards(guarded)
+    # likewise the class that refuses eager reads of 0-byte parameters (runtime/store.py)
+    zinf_runtime.store.retype_partitioned(inputs_params)
     # ranks must agree on the graph and on how it runs (rewritten or gather-all: other collectives)
     how = "gather-all fallback" if record.counters.get("gather_all_fallback") else "rewritten"
     compiled = rendezvous.guard(compiled, params, cfg.resolved_group(), f"{record.name} ({how})", record=record)
