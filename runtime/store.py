@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import threading
 import weakref
 from dataclasses import dataclass, field, replace
@@ -24,6 +25,7 @@ import torch
 
 from . import accounting, broadcast, comm, hostsync, tiers, triton_copy
 from .context import DEFAULT, RuntimeContext, resolve_context
+from .eager_access import DATA_FREE, NOT_SERVED, PartitionedDataError, eager_call  # noqa: F401 (re-exported)
 from .grads import ShardedGrad
 from .swap import SwapConfig, SwapHandle
 
@@ -787,11 +789,13 @@ def _forget(uid: int) -> None:
 
 
 class PartitionedParameter(torch.nn.Parameter):
-    """The class a partitioned ``nn.Parameter`` takes: same tensor, safe to print, copy and pickle.
+    """The class a partitioned ``nn.Parameter`` takes: same tensor, safe to print, copy, pickle and use.
 
     Its storage is 0 bytes, so torch's own ``repr`` (and ``copy.deepcopy``, ``pickle``) would read
     freed memory. ``repr`` says where the data is; ``deepcopy`` and pickling materialize the full
     value as a plain ``nn.Parameter`` (collective when dp > 1), which is what a copy of a model means.
+    Any other eager call goes to ``eager_access`` (``state_dict``, ``load_state_dict``, no-op moves
+    served; the rest refused with ``PartitionedDataError``).
     """
 
     def _has_data(self) -> bool:
@@ -800,22 +804,24 @@ class PartitionedParameter(torch.nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        """Refuse a torch call that would read or write a parameter whose data lives in the shards.
+        """Serve or refuse a torch call that would read or write a parameter whose data lives in the shards.
 
         The parameter keeps its shape over 0 bytes of storage, so an eager kernel reading it would read
-        unmapped memory and kill the process; this turns that into a ``PartitionedDataError`` naming the
-        parameter and the way to reach its values. Metadata calls, zinf's own ops, calls traced by Dynamo
-        and parameters whose storage holds data (inside ``gathered``) pass through untouched, exactly as
-        ``nn.Parameter`` does.
+        unmapped memory and kill the process. ``eager_access.eager_call`` serves the calls whose eager
+        meaning it can keep (``state_dict``, ``load_state_dict``, no-op moves) and turns the rest into a
+        ``PartitionedDataError`` naming the parameter and the way to reach its values. Metadata calls,
+        zinf's own ops, calls traced by Dynamo and parameters whose storage holds data (inside
+        ``gathered``) pass through untouched, exactly as ``nn.Parameter`` does.
         """
         if kwargs is None:
             kwargs = {}
         # cheapest tests first: a compiled graph's zinf ops come here once per parameter use (~2 us
         # each on top of nn.Parameter's own dispatch); Dynamo, tracing this, sees only the first
-        if not (torch.compiler.is_compiling() or getattr(func, "namespace", None) == "zinf" or func in _DATA_FREE):
-            for t in _partitioned_args(args, kwargs):
-                if not t._has_data():
-                    raise PartitionedDataError(_access_message(t, func))
+        if not (torch.compiler.is_compiling() or getattr(func, "namespace", None) == "zinf" or func in DATA_FREE):
+            caller = sys._getframe(1).f_code if func is torch.Tensor.detach else None
+            out = eager_call(cls, func, args, kwargs, caller)
+            if out is not NOT_SERVED:
+                return out
         return super().__torch_function__(func, types, args, kwargs)
 
     def __repr__(self) -> str:
@@ -840,54 +846,6 @@ class PartitionedParameter(torch.nn.Parameter):
 
     def __reduce_ex__(self, proto: int):  # type: ignore[override]
         return self._plain().__reduce_ex__(proto)
-
-
-class PartitionedDataError(RuntimeError):
-    """Eager code read or wrote a partitioned parameter, whose storage is 0 bytes."""
-
-
-def _partitioned_args(args: tuple, kwargs: dict) -> Iterator["PartitionedParameter"]:
-    """The partitioned parameters among a call's arguments, one level into lists and tuples
-    (``torch.cat``, ``_foreach_*``)."""
-    for a in itertools.chain(args, kwargs.values()):
-        if type(a) is PartitionedParameter:
-            yield a
-        elif type(a) in (list, tuple):
-            for t in a:
-                if type(t) is PartitionedParameter:
-                    yield t
-
-
-def _data_free_calls() -> frozenset:
-    """Torch calls on a tensor that touch no element: sizes, flags, autograd fields, storage handles."""
-    T = torch.Tensor
-    methods = (T.size, T.dim, T.numel, T.nelement, T.stride, T.storage_offset, T.is_contiguous,
-               T.element_size, T.untyped_storage, T.__hash__, T.requires_grad_, T.is_floating_point,
-               T.is_complex, T.get_device, T.data_ptr, T.is_pinned, T.__reduce_ex__, T.__deepcopy__,
-               T.__setstate__, T._is_view, T.retain_grad, T.register_hook, T.register_post_accumulate_grad_hook,
-               T.dim_order, T.is_shared, T.is_signed, T.is_inference)
-    props = ("shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "ndim", "layout",
-             "is_cuda", "is_cpu", "is_meta", "is_mps", "is_xpu", "_version", "is_sparse", "is_quantized",
-             "is_nested", "_base", "names", "itemsize", "nbytes", "_grad", "_grad_fn", "_backward_hooks",
-             "_post_accumulate_grad_hooks", "is_mkldnn", "is_sparse_csr", "output_nr", "_cdata", "name",
-             "retains_grad", "_python_dispatch")
-    getters = {getattr(T, a).__get__ for a in props if hasattr(T, a) and hasattr(getattr(T, a), "__get__")}
-    setters = {getattr(T, a).__set__ for a in ("requires_grad", "grad", "_grad", "data", "_backward_hooks",
-                                               "_post_accumulate_grad_hooks")
-               if hasattr(getattr(T, a, None), "__set__")}
-    return frozenset(methods) | frozenset(getters) | frozenset(setters)
-
-
-_DATA_FREE = _data_free_calls()
-
-
-def _access_message(p: "PartitionedParameter", func: Any) -> str:
-    h = handle_of(p)
-    name = repr(h.name) if h is not None else "(a tile or stand-in)"
-    what = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
-    return (f"zinf: {what} on partitioned parameter {name}, whose data lives in zinf's shards (its own storage "
-            "is 0 bytes). Read or change it inside `with zinf_compile.gathered(model):`, or take a copy with "
-            "zinf_compile.full_state_dict(model); the compiled module reads it for you.")
 
 
 def _free_storage(params: Sequence[torch.nn.Parameter], retype: bool = True) -> None:

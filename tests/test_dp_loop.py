@@ -66,6 +66,14 @@ def test_dp2_training_loop_matches_eager(tmp_path, options):
     assert r0["norms"] == r1["norms"]
     for k, v in state.items():
         torch.testing.assert_close(r0["state"][k], v, **tol, msg=lambda m: f"{k}: {m}")
+    for r in (r0, r1):  # model.state_dict() is the full state on every rank; load_state_dict restores
+        assert list(r["state_dict"]) == list(r["state"])
+        for k, v in r["state"].items():
+            assert torch.equal(r["state_dict"][k], v), k
+    torch.manual_seed(0)
+    for k, v in Outer().state_dict().items():
+        if k != "net.shift":  # the buffer: rank 1 set its own before compiling
+            assert torch.equal(r0["reloaded"][k], v) and torch.equal(r1["reloaded"][k], v), k
     torch.testing.assert_close(r1["shift"], torch.zeros(7), rtol=0, atol=0)  # rank 0's buffer won
     torch.testing.assert_close(r1["scale_rank"], r0["scale_rank"], rtol=0, atol=0)  # replicas agree
 

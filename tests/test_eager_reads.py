@@ -1,10 +1,17 @@
-"""Eager code that reads or writes a partitioned parameter gets ``PartitionedDataError``, not a crash.
+"""Eager code on a partitioned parameter gets eager's meaning or ``PartitionedDataError``, never a crash.
 
 A partitioned parameter keeps its shape over 0 bytes of storage (its values live in zinf's shards).
 Training loops touch parameters outside the compiled module: an EMA update, a weight-norm log,
-``parameters_to_vector``. Before ``PartitionedParameter.__torch_function__`` each of those read unmapped
-memory and killed the process (segmentation fault); now each raises an error naming the parameter and
-``zinf_compile.gathered``, and nothing is lost: the model trains on exactly as eager does.
+``parameters_to_vector``, ``state_dict``. Before ``PartitionedParameter.__torch_function__`` each of
+those read unmapped memory and killed the process (segmentation fault). Now
+(``runtime/eager_access.py``):
+
+- ``model.state_dict()`` gives full CPU tensors with eager's values and keys, and ``torch.save`` works;
+- ``model.load_state_dict(sd)`` and ``p.copy_(v)`` under ``no_grad`` write through to the shards;
+- ``model.to(d)``, ``.cpu()``, ``.float()`` to what the parameters already are return them;
+- every other read or write raises an error naming the parameter and ``zinf_compile.gathered``;
+
+and nothing is lost: the model trains on exactly as eager does.
 
 The reads run in a subprocess, so a regression fails this test instead of killing pytest.
 """
@@ -22,7 +29,7 @@ from conftest import ATOL, RTOL
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _WORKER = textwrap.dedent("""
-    import copy, json
+    import copy, io, json
     import torch, torch.nn as nn
     import zinf_compile
     from zinf_compile import PartitionedDataError
@@ -75,6 +82,47 @@ _WORKER = textwrap.dedent("""
     out["meta"] = [list(w.shape), w.numel(), str(w.dtype), str(w.device), w.requires_grad, w.is_leaf,
                    w.grad is None, w.dim(), w.element_size(), "PartitionedParameter" in repr(w)]
     w.requires_grad_(True)
+
+    # served, with eager's meaning: state_dict gives full CPU values under eager's keys (and saves)
+    sd, rsd = model.state_dict(), ref.state_dict()
+    out["sd_keys"] = list(sd) == list(rsd)
+    out["sd_diff"] = {k: float((sd[k] - v).abs().max()) for k, v in rsd.items()}
+    out["sd_scale"] = {k: float(v.abs().max()) for k, v in rsd.items()}
+    out["sd_plain"] = all(type(v) is torch.Tensor and v.device.type == "cpu" and not v.requires_grad
+                          for v in sd.values())
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    out["saved_equal"] = all(torch.equal(v, sd[k]) for k, v in torch.load(buf).items())
+    # moves and casts to what the parameters already are return them, as in eager
+    for f in (lambda: model.to("cpu"), model.cpu, model.float, lambda: model.to(torch.float32),
+              lambda: model.to(torch.device("cpu"), torch.float32), lambda: model.to(torch.zeros(1))):
+        f()
+    out["same_objects"] = model.lin.weight is w and model.scale is s
+    # real moves and casts are refused before anything changed
+    out["moves"] = {}
+    for name, f in {"to_double": lambda: model.to(torch.float64), "half": model.half,
+                    "copy": lambda: w.to("cpu", copy=True)}.items():
+        try:
+            f()
+            out["moves"][name] = None
+        except PartitionedDataError as e:
+            out["moves"][name] = str(e)
+    # load_state_dict and copy_ outside autograd write through to the shards (ref does the same)
+    torch.manual_seed(1)
+    other = M().state_dict()
+    out["load"] = str(model.load_state_dict(other))
+    ref.load_state_dict(other)
+    with torch.no_grad():
+        for m in (model, ref):
+            m.scale.copy_(torch.full((8,), 0.75))
+    out["loaded_diff"] = max(float((zinf_compile.full_state_dict(model)[k] - v).abs().max())
+                             for k, v in ref.state_dict().items())
+    try:  # an in-place write to a leaf that requires grad is an error in eager too
+        model.scale.copy_(torch.ones(8))
+        out["copy_under_grad"] = None
+    except RuntimeError as e:
+        out["copy_under_grad"] = str(e)
     step(1)
     step(2)
     sd = zinf_compile.full_state_dict(model)
@@ -114,6 +162,15 @@ def test_eager_reads_of_partitioned_parameters_raise_and_lose_nothing():
         assert "zinf_compile.gathered" in msg, (name, msg)
         assert ("'lin.weight'" in msg or "'scale'" in msg or "'weight'" in msg), (name, msg)
     assert out["meta"] == [[8, 8], 64, "torch.float32", "cpu", True, True, False, 2, 4, True]
+    assert out["sd_keys"] and out["sd_plain"] and out["saved_equal"], out
+    for k, d in out["sd_diff"].items():  # one SGD step
+        assert d <= ATOL + RTOL * out["sd_scale"][k], (k, d)
+    assert out["same_objects"]
+    for name, msg in out["moves"].items():
+        assert msg is not None and "before its first compiled call" in msg, (name, msg)
+    assert out["load"] == "<All keys matched successfully>", out["load"]
+    assert out["loaded_diff"] == 0.0  # the loaded values exactly, in fp32
+    assert out["copy_under_grad"] is not None
     for k, d in out["diff"].items():  # three SGD steps, one of them after every refused call
         assert d <= ATOL + RTOL * out["scale_rel"][k], (k, d)
     assert out["returned_param"] is not None and "'w'" in out["returned_param"], out["returned_param"]

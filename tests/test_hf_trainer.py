@@ -5,7 +5,9 @@ custom backend by compiling the model in place before building the ``Trainer``. 
 calls ``model.zero_grad()``, ``clip_grad_norm_(model.parameters(), max_grad_norm)`` (through
 accelerate) and its linear LR schedule: each must act on zinf's sharded gradients. Before
 ``ShardedGrad`` this run reported ``grad_norm 0.0``, clipped nothing and accumulated gradients across
-steps (loss off by 1e-3 after 4 steps).
+steps (loss off by 1e-3 after 4 steps). At the end ``model.state_dict()`` and ``Trainer.save_model``
+(safetensors) must give the trained values: before ``runtime/eager_access.py`` the first returned
+tensors over 0-byte storage and reading one killed the process.
 
 Tolerances: the losses and gradient norms come from the same kernels on the same values (rtol 1e-6
 leaves room only for a last-bit difference in a norm); parameters after 4 AdamW steps are compared
@@ -54,7 +56,16 @@ def _train(zinf: bool, tmp_path) -> tuple[list, dict]:
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(), optimizers=(opt, None))
     trainer.train()
     logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
-    state = zinf_compile.full_state_dict(model) if zinf else {k: v.clone() for k, v in model.state_dict().items()}
+    # the same calls for both: model.state_dict() (full values under zinf) and Trainer.save_model
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer.save_model(args.output_dir)
+    saved = transformers.LlamaForCausalLM.from_pretrained(args.output_dir).state_dict()
+    assert saved.keys() == state.keys()
+    for k, v in state.items():
+        assert torch.equal(saved[k], v), f"{k}: the saved checkpoint differs from model.state_dict()"
+    if zinf:
+        full = zinf_compile.full_state_dict(model)
+        assert all(torch.equal(full[k], v) for k, v in state.items())
     return logs, state
 
 

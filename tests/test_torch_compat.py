@@ -135,3 +135,28 @@ def test_default_store_is_the_process_groups_store(tmp_path):
         assert store.compare_set("zinf/first", "", "b") == b"a"  # the first value posted stays
     finally:
         dist.destroy_process_group()
+
+
+def test_state_dict_detaches_each_parameter_from_save_to_state_dict():
+    """``runtime/eager_access.py`` serves ``param.detach()`` with the full value only when its caller's
+    frame runs ``Module._save_to_state_dict`` (torch internals the runtime cannot reach through this
+    file, which it never imports): pin that ``state_dict()`` still calls it so, through
+    ``__torch_function__``, and that ``DisableTorchFunctionSubclass`` turns the override off."""
+    import sys
+
+    seen = []
+
+    class Probe(torch.nn.Parameter):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.detach:
+                seen.append(sys._getframe(1).f_code)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    m = torch.nn.Linear(2, 2)
+    m.weight.__class__ = Probe
+    m.state_dict()
+    assert seen == [torch.nn.Module._save_to_state_dict.__code__]
+    with torch._C.DisableTorchFunctionSubclass():
+        m.weight.detach()
+    assert len(seen) == 1

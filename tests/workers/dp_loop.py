@@ -2,7 +2,8 @@
 
 Scenario ``train``: a model whose parameters have odd sizes (uneven shards, odd tiles), a buffer that
 differs per rank before compile, and a parameter used only in eager code (replicated). Each rank takes
-its half of the global batch; the loop clips with ``clip_grad_norm_(model.parameters())`` and steps SGD.
+its half of the global batch; the loop clips with ``clip_grad_norm_(model.parameters())`` and steps SGD;
+then ``model.state_dict()`` on every rank, and ``load_state_dict`` of the initial values.
 Scenarios ``eval_alone`` / ``eval_vs_train``: rank 0 evaluates while rank 1 is idle / training.
 """
 
@@ -55,6 +56,7 @@ def main(out_path: str, scenario: str, options_json: str, steps: int) -> None:
     if rank == 1:
         with torch.no_grad():
             model.net.shift.fill_(1.0)  # rank 0's buffer must win
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
     cnet = torch.compile(model.net, backend="zinf", options=json.loads(options_json))
     opt = zinf_compile.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     result: dict = {"losses": [], "norms": []}
@@ -73,6 +75,10 @@ def main(out_path: str, scenario: str, options_json: str, steps: int) -> None:
             result["norms"].append(norm.item())
         result["state"] = zinf_compile.full_state_dict(model)
         result["shift"] = model.net.shift.clone()
+        # collective: every rank gathers the full values (cloned: eager's entries alias the parameters)
+        result["state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(initial)  # each rank writes its own shard: back to the start
+        result["reloaded"] = zinf_compile.full_state_dict(model)
         result["scale_rank"] = model.scale.detach().clone()
     elif scenario == "scaler":
         # rank 1's gradient shard overflows (as an fp16 overflow lands in whichever rank owns the element):
