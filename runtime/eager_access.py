@@ -16,7 +16,8 @@ Served calls are the ones whose eager meaning zinf can keep exactly: ``Tensor.co
 parameter (no autograd) writes through to the shards; ``detach`` called by
 ``Module._save_to_state_dict`` returns the full value (the state dict is a copy in eager's sense:
 nobody writes through it); a move or cast to the device and dtype the parameter already has returns
-the parameter itself. Metadata calls never come here (``DATA_FREE``).
+the parameter itself, and so does ``p.data = p`` (``Module._apply`` after such a move); any other
+``p.data = t`` is refused. Metadata calls never come here (``DATA_FREE``).
 """
 
 from __future__ import annotations
@@ -48,15 +49,16 @@ def _data_free_calls() -> frozenset:
              "_post_accumulate_grad_hooks", "is_mkldnn", "is_sparse_csr", "output_nr", "_cdata", "name",
              "retains_grad", "_python_dispatch")
     getters = {getattr(T, a).__get__ for a in props if hasattr(T, a) and hasattr(getattr(T, a), "__get__")}
-    setters = {getattr(T, a).__set__ for a in ("requires_grad", "grad", "_grad", "data", "_backward_hooks",
+    setters = {getattr(T, a).__set__ for a in ("requires_grad", "grad", "_grad", "_backward_hooks",
                                                "_post_accumulate_grad_hooks")
-               if hasattr(getattr(T, a, None), "__set__")}
+               if hasattr(getattr(T, a, None), "__set__")}  # not data: `p.data = t` rebinds the storage
     return frozenset(methods) | frozenset(getters) | frozenset(setters)
 
 
 DATA_FREE = _data_free_calls()
 _SAVE_TO_STATE_DICT = torch.nn.Module._save_to_state_dict.__code__
 NOT_SERVED = object()
+_DATA_SET = torch.Tensor.data.__set__
 
 
 def _partitioned_args(cls: type, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
@@ -74,7 +76,10 @@ def eager_call(cls: type, func: Any, args: tuple, kwargs: dict, caller: Any) -> 
     """What ``func(*args, **kwargs)`` gives when an argument is a data-less partitioned parameter;
     ``NOT_SERVED`` when none is (the caller then runs ``func`` as ``nn.Parameter`` does).
     ``caller`` is the code object of the Python frame that made the call."""
-    empty = [t for t in _partitioned_args(cls, args, kwargs) if not t._has_data()]
+    empty: list = []
+    for t in _partitioned_args(cls, args, kwargs):
+        if not t._has_data() and not any(t is e for e in empty):
+            empty.append(t)
     if not empty:
         return NOT_SERVED
     p = empty[0]
@@ -112,6 +117,12 @@ def _copy_into(p: torch.Tensor, args: tuple, kwargs: dict, caller: Any) -> Any:
         return NOT_SERVED
     h.load_full(src.detach().to(dtype=p.dtype).expand(p.shape))
     return p
+
+
+def _set_data(p: torch.Tensor, args: tuple, kwargs: dict, caller: Any) -> Any:
+    """``p.data = p`` (``Module._apply`` after a no-op move) is a no-op; any other ``p.data = t`` would
+    rebind the parameter to ``t``'s storage behind the shards' back, so it is refused."""
+    return None if args and args[0] is p else NOT_SERVED
 
 
 _DEVICE_LIKE = (torch.device, str, int)
@@ -162,6 +173,7 @@ T = torch.Tensor
 _SERVED: Dict[Any, Callable[..., Any]] = {
     T.detach: _state_dict_value,
     T.copy_: _copy_into,
+    T.data.__set__: _set_data,
     T.to: _move(_to_is_noop),
     T.cpu: _move(lambda p, args, kwargs: p.device.type == "cpu" and _keeps_format(kwargs)),
     T.cuda: _move(lambda p, args, kwargs: p.device.type == "cuda" and _keeps_format(kwargs) and _same_device(
@@ -178,6 +190,10 @@ def _message(p: torch.Tensor, func: Any) -> str:
     h = _handle(p)
     name = repr(h.name) if h is not None else "(a tile or stand-in)"
     what = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    if func == _DATA_SET:  # a fresh method-wrapper per lookup: equal, not identical
+        return (f"zinf: `.data = ...` on partitioned parameter {name}, whose data lives in zinf's shards: it "
+                "would rebind the parameter behind them. Write its values with `with torch.no_grad(): "
+                "p.copy_(value)` (written through to the shards), or inside `with zinf_compile.gathered(model):`.")
     if func in _SERVED and func not in (torch.Tensor.detach, torch.Tensor.copy_):
         return (f"zinf: {what} on partitioned parameter {name} would move or cast it, and zinf keeps its "
                 "shards where the compile options put them. Move or cast the model before its first "

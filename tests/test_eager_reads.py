@@ -65,6 +65,7 @@ _WORKER = textwrap.dedent("""
         "cat": lambda: torch.cat([s, s]),
         "detach": lambda: w.detach(),
         "data": lambda: w.data,
+        "data_set": lambda: setattr(w, "data", torch.zeros(8, 8)),
         "view": lambda: w.view(-1),
         "parameters_to_vector": lambda: torch.nn.utils.parameters_to_vector(model.parameters()),
         "ema_mul_": lambda: torch.no_grad()(lambda: w.mul_(0.9))(),
