@@ -23,8 +23,7 @@ the parameter itself, and so does ``p.data = p`` (``Module._apply`` after such a
 from __future__ import annotations
 
 import itertools
-import sys
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator
 
 import torch
 
@@ -129,7 +128,9 @@ _DEVICE_LIKE = (torch.device, str, int)
 
 
 def _same_device(p: torch.Tensor, d: Any) -> bool:
-    d = torch.device(d) if not isinstance(d, int) else torch.device(p.device.type, d)
+    if isinstance(d, int):  # an ordinal names an accelerator, never the CPU
+        return p.device.type not in ("cpu", "meta") and p.device.index == d
+    d = torch.device(d)
     return d.type == p.device.type and (d.index is None or d.index == p.device.index)
 
 
