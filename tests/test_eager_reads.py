@@ -149,6 +149,12 @@ _WORKER = textwrap.dedent("""
         out["returned_param"] = None
     except PartitionedDataError as e:
         out["returned_param"] = str(e)
+    # load_state_dict(assign=True) replaces the parameter object: the compiled module uses the new one
+    lin = nn.Linear(4, 1, bias=False)
+    clin = torch.compile(lin, backend="zinf", options={"compiler": "eager"})
+    clin(torch.ones(1, 4))
+    lin.load_state_dict({"weight": torch.full((1, 4), 0.5)}, assign=True)
+    out["assign_out"] = clin(torch.ones(1, 4)).item()
     print("RESULT " + json.dumps(out))
 """)
 
@@ -172,6 +178,7 @@ def test_eager_reads_of_partitioned_parameters_raise_and_lose_nothing():
     assert out["load"] == "<All keys matched successfully>", out["load"]
     assert out["loaded_diff"] == 0.0  # the loaded values exactly, in fp32
     assert out["copy_under_grad"] is not None
+    assert out["assign_out"] == 2.0  # 4 x 0.5, as eager
     for k, d in out["diff"].items():  # three SGD steps, one of them after every refused call
         assert d <= ATOL + RTOL * out["scale_rel"][k], (k, d)
     assert out["returned_param"] is not None and "'w'" in out["returned_param"], out["returned_param"]
