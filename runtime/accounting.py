@@ -162,13 +162,14 @@ class Accounting:
     def gradient_buffer_end(self, nbytes: int) -> None:
         self.add_kinds("device", _GRAD_BUFFER, -nbytes)
 
-    def comm_buffers(self, owner: object, nbytes: int) -> None:
+    def comm_buffers(self, owner: object, nbytes: int) -> weakref.finalize:
         """A coalesced collective's flat buffers (``zinf_runtime.bucket``: the packed input and the
-        collective's output) hold ``nbytes`` on the device until ``owner`` (the output) is freed.
-        Not budget-checked: a bucket only coalesces parameters under ``bucket_bytes``, and refusing
-        one mid-graph would leave its members' waits without a collective."""
+        collective's output) hold ``nbytes`` on the device until the returned finalizer is called (it
+        runs once), or else until ``owner`` (the output) is freed. Not budget-checked: a bucket
+        only coalesces parameters under ``bucket_bytes``, and refusing one mid-graph would leave its
+        members' waits without a collective."""
         self.add_kinds("device", _COMM, nbytes)
-        weakref.finalize(owner, self.add_kinds, "device", _COMM, -int(nbytes))
+        return weakref.finalize(owner, self.add_kinds, "device", _COMM, -int(nbytes))
 
 
 _GATHERED = ("gathered", "materialized")

@@ -17,18 +17,47 @@ per-parameter gather, so numerics are unchanged). On CUDA, ``work.wait()`` order
 stream after the collective before the copy-out, and every buffer the collective reads or writes is
 kept alive by the tickets until their waits.
 
+A bucket's own buffers (the packed input, the collective's output) are freed at its last member's
+wait, on the waiting thread, whoever else still holds them: a ``Work`` references the tensors it was
+given, and gloo's worker thread drops that reference just after it signals completion, so freeing by
+reference count alone made the bytes outlive the wait whenever that thread was descheduled (the
+runtime's ``comm`` peak doubled in 1 of 5 steps on 2 cores). ``BucketBuffers`` frees their storage,
+as ``ParamHandle.release`` frees a gathered parameter's.
+
 In backward, ``zinf.reduce_bucket([g1, g2], [p1, p2], [u1, u2])`` starts one reduce-scatter once the
 last member's gradient exists; each member's ``wait_reduce``/``wait_offload`` stay its own.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from . import comm, store
 from .transfer import Ticket, _nb
+
+
+class BucketBuffers:
+    """A bucket's private flat buffers and its members' waits still to come; the last frees them."""
+
+    __slots__ = ("tensors", "release", "waits")
+
+    def __init__(self, tensors: Tuple[torch.Tensor, ...], release: Callable[[], Any], waits: int) -> None:
+        self.tensors = tensors
+        self.release = release  # the accounting's booking, run once (here, or when the output dies)
+        self.waits = waits
+
+    def waited(self) -> None:
+        """One member's wait returned (the collective is complete and its values copied out)."""
+        self.waits -= 1
+        if self.waits == 0:
+            for t in self.tensors:
+                storage = t.untyped_storage()
+                if storage.nbytes():
+                    storage.resize_(0)
+            self.tensors = ()
+            self.release()
 
 
 def op_gather_bucket(shards: List[torch.Tensor], uids: List[int]) -> List[torch.Tensor]:
@@ -52,7 +81,8 @@ def op_gather_bucket(shards: List[torch.Tensor], uids: List[int]) -> List[torch.
     try:
         packed = torch.cat([s.reshape(-1) for s in shards])
         out = torch.empty(world * total, dtype=packed.dtype, device=packed.device)
-        first.context.accounting.comm_buffers(out, _nb(packed) + _nb(out))  # freed with the last ticket
+        own = BucketBuffers((packed, out), first.context.accounting.comm_buffers(out, _nb(packed) + _nb(out)),
+                            len(handles))
         work = comm.all_gather_flat(out, packed, first.placement.group, async_op=True)
         eng.counters["all_gather_bucket"] = eng.counters.get("all_gather_bucket", 0) + 1
         unpacked: Dict[str, Optional[List[torch.Tensor]]] = {"bufs": None}
@@ -72,9 +102,14 @@ def op_gather_bucket(shards: List[torch.Tensor], uids: List[int]) -> List[torch.
                 unpacked["bufs"] = bufs
             return unpacked["bufs"]  # type: ignore[return-value]
 
+        def member(i: int) -> torch.Tensor:
+            buf = unpack()[i]
+            own.waited()
+            return buf
+
         tickets = []
         for i, (h, s) in enumerate(zip(handles, shards)):
-            wait_fn = (lambda i=i: unpack()[i])
+            wait_fn = (lambda i=i: member(i))
             tickets.append(eng.start(Ticket("all_gather", h.name, world * _nb(s), wait_fn, keep=(s, packed, out))))
         return tickets
     finally:
@@ -122,7 +157,8 @@ def op_reduce_bucket(grads: List[torch.Tensor], params: List[torch.Tensor], uids
                 pack[:, off:off + n].copy_(flat.view(world, n))
                 off += n
             out = torch.empty(total, dtype=torch.float32, device=device)
-            first.context.accounting.comm_buffers(out, _nb(pack) + _nb(out))
+            own = BucketBuffers((pack, out), first.context.accounting.comm_buffers(out, _nb(pack) + _nb(out)),
+                                len(members))
             work = comm.reduce_scatter_flat(out, pack.view(-1), first.placement.group, async_op=True)
             eng.counters["reduce_scatter_bucket"] = eng.counters.get("reduce_scatter_bucket", 0) + 1
             done: Dict[str, bool] = {"waited": False}
@@ -136,7 +172,9 @@ def op_reduce_bucket(grads: List[torch.Tensor], params: List[torch.Tensor], uids
                     done["waited"] = True
                 i = members[k]
                 # a tensor of its own: the slot keeps it (owned), and must not pin or alias the bucket
-                return handles[i], out[offsets[k]:offsets[k] + sizes[k]].clone(), buffers[k], True
+                shard = out[offsets[k]:offsets[k] + sizes[k]].clone()
+                own.waited()
+                return handles[i], shard, buffers[k], True
 
             for k, i in enumerate(members):
                 tickets[i] = eng.start(Ticket("reduce_scatter", handles[i].name, _nb(grads[i]),

@@ -392,7 +392,8 @@ def test_dp2_plan_counts_collective_buffers(tmp_path):
     reduce-scatter through a copy of its own. Without either in the plan, its step peak was 0.59x the
     CPU allocator's measured peak with buckets (0.84x with ``bucket_bytes=0``); the buckets' bytes must
     equal the runtime's ``comm`` accounting, the gathered peak the runtime's, and the step peak the
-    allocator's within the plan's eager accuracy."""
+    allocator's within the plan's eager accuracy. The allocator's peak is the least of several profiled
+    steps: the profiler misses a free made on gloo's worker thread (tests/workers/plan_dp.py)."""
     import socket
     import subprocess
     import sys
@@ -414,6 +415,9 @@ def test_dp2_plan_counts_collective_buffers(tmp_path):
         assert alone["comm_intervals"]["gloo_copy"] > bucketed["comm_intervals"]["gloo_copy"] > 0
         for r in rank_rows:
             assert r["plan_bucket"] == r["runtime_bucket"] and r["comm_after"] == 0, r  # freed with the last wait
+            # ... even while every collective's tensors stay referenced (a slow gloo worker thread)
+            assert r["runtime_bucket_held"] == r["runtime_bucket"] and r["comm_after_held"] == 0, r
             assert r["plan_gathered"] == r["runtime_gathered"] > 0, r
             assert abs(r["measured_step"] / r["plan_step"] - 1) <= STEP_TOLERANCE, r
+            assert min(r["measured_steps"]) == r["measured_step"] and len(r["measured_steps"]) > 1, r
         assert bucketed["runtime_bucket"] > 0
