@@ -520,8 +520,9 @@ class ParamHandle:
 
     def start_reduce(self, grad: torch.Tensor, async_op: bool = True) -> Tuple[torch.Tensor, Any]:
         """Start the reduce-scatter of a full gradient: returns the fp32 shard buffer it fills and
-        the work handle (dp = 1: the flat fp32 gradient itself and None). The collective reads a
-        private padded copy, which the caller keeps alive through the returned tuple's work."""
+        the work handle (dp = 1: the flat fp32 gradient itself and None). The collective reads the
+        flat fp32 gradient (a private copy when padded or cast), which the caller keeps alive through
+        the returned tuple until ``finish_reduce``, which frees a private copy."""
         flat = grad.detach().reshape(-1).to(torch.float32)
         if self.world == 1:
             return flat, None
@@ -529,21 +530,29 @@ class ParamHandle:
             flat = flat.clone()  # dist.reduce writes its buffer (on every rank, with gloo)
             work = comm.reduce_flat(flat, self.owner, self.placement.group, async_op=async_op)
             shard = flat if self.rank == self.owner else flat[:0]
-            return shard, (work, flat)
+            return shard, (work, flat, False)  # the owner's shard is ``flat``
         if self.padded_numel != self.numel:
             flat = torch.nn.functional.pad(flat, (0, self.padded_numel - self.numel))
         flat = flat.contiguous()
         shard = torch.empty(self.shard_numel, dtype=torch.float32, device=flat.device)
         work = comm.reduce_scatter_flat(shard, flat, self.placement.group, async_op=async_op)
-        return shard, (work, flat)
+        return shard, (work, flat, not shares_storage(flat, grad))
 
     def finish_reduce(self, shard: torch.Tensor, pending: Any) -> torch.Tensor:
-        """Wait for ``start_reduce``'s collective; the mean over dp of this rank's gradient shard."""
+        """Wait for ``start_reduce``'s collective; the mean over dp of this rank's gradient shard.
+
+        A padded or cast input copy is freed here, on the waiting thread: the ``Work`` still
+        references it, and gloo's worker thread drops that reference only after signalling
+        completion (see ``zinf_runtime.bucket``), so the copy must not wait for its refcount."""
         if pending is None:
             return shard
-        work, _flat = pending
+        work, flat, private = pending
         if work is not None:
             work.wait()
+        if private:
+            storage = flat.untyped_storage()
+            if storage.nbytes():
+                storage.resize_(0)
         return shard.div_(self.world)
 
     def accumulate_grad(self, shard: torch.Tensor, owned: bool = False) -> None:

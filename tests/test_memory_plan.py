@@ -417,6 +417,7 @@ def test_dp2_plan_counts_collective_buffers(tmp_path):
             assert r["plan_bucket"] == r["runtime_bucket"] and r["comm_after"] == 0, r  # freed with the last wait
             # ... even while every collective's tensors stay referenced (a slow gloo worker thread)
             assert r["runtime_bucket_held"] == r["runtime_bucket"] and r["comm_after_held"] == 0, r
+            assert r["gather_bytes_left_held"] == 0, r
             assert r["plan_gathered"] == r["runtime_gathered"] > 0, r
             assert abs(r["measured_step"] / r["plan_step"] - 1) <= STEP_TOLERANCE, r
             assert min(r["measured_steps"]) == r["measured_step"] and len(r["measured_steps"]) > 1, r

@@ -86,10 +86,10 @@ def measure(cfg: GPTConfig, options: dict) -> dict:
     held: list = []
     real = (comm.all_gather_flat, comm.reduce_scatter_flat)
 
-    def holding(fn):
-        return lambda out, inp, *a, **k: (held.append((out, inp)), fn(out, inp, *a, **k))[1]
+    def holding(kind, fn):
+        return lambda out, inp, *a, **k: (held.append((kind, out, inp)), fn(out, inp, *a, **k))[1]
 
-    comm.all_gather_flat, comm.reduce_scatter_flat = (holding(f) for f in real)
+    comm.all_gather_flat, comm.reduce_scatter_flat = holding("gather", real[0]), holding("reduce", real[1])
     try:
         opt.zero_grad()
         zinf_compile.reset_peak_memory_stats()
@@ -100,6 +100,9 @@ def measure(cfg: GPTConfig, options: dict) -> dict:
     stats = zinf_compile.memory_stats(model)["device"]
     held_account = (stats["comm"]["peak"] - base_comm, stats["comm"]["current"])
     assert held, "no collective ran"
+    # every all-gather's output is freed however many references remain: a gathered parameter's
+    # buffer (released after its last use) and a bucket's output (at its last member's wait)
+    gather_bytes_left = sum(out.untyped_storage().nbytes() for kind, out, _ in held if kind == "gather")
     del held
     roles: dict = {}
     for iv in plan.intervals:
@@ -111,6 +114,7 @@ def measure(cfg: GPTConfig, options: dict) -> dict:
         "comm_after": comm_after,
         "runtime_bucket_held": held_account[0],
         "comm_after_held": held_account[1],
+        "gather_bytes_left_held": gather_bytes_left,
         "plan_gathered": int(plan.peak("device", "gathered")),
         "runtime_gathered": runtime_gathered,
         "measured_step": min(peaks),
