@@ -12,15 +12,17 @@ thread shows its allocation and no free. A gloo ``Work`` references the tensors 
 gloo's worker thread drops that reference just after it marks the work complete. When that thread is
 descheduled in the window, the tensor's last reference goes on the worker thread and the profile never
 sees the free: its running sum keeps the bytes to the end of the step, though the memory was freed.
-zinf frees what it allocates for a collective at the wait (a bucket's buffers, ``BucketBuffers``; a
-gathered parameter, ``ParamHandle.release``), but not gloo's own copy of a reduce-scatter's input or a
-lone reduce-scatter's padded fp32 copy. Before the bucket's buffers were freed so, 6 of 72 single
-profiled steps on 2 cores showed the missed free (+2 to +163 KiB, up to 1.24x the plan where the
-others gave 1.04x and 0.99x), and the runtime's own ``comm`` peak doubled in 1 of 5 steps. A missed
-free only adds, so the least of ``REPEATS`` peaks is the step's peak.
+zinf frees what it allocates for a collective at the wait or the release, whoever still holds it (a
+bucket's buffers, ``BucketBuffers``; a reduce-scatter's padded or cast input, ``finish_reduce``; a
+gathered parameter, ``ParamHandle.release``), but gloo's own copy of a reduce-scatter's input is
+gloo's. Before the bucket's buffers were freed so, 6 of 72 single profiled steps on 2 cores showed the
+missed free (+2 to +163 KiB, up to 1.24x the plan where the others gave 1.04x and 0.99x), and the
+runtime's own ``comm`` peak doubled in 1 of 5 steps; since, the steps without buckets still show gloo's
+copy (up to 1.12x in 30 steps). A missed free only adds, so the least of ``REPEATS`` peaks is the
+step's peak.
 
 The last step runs with every tensor given to a collective kept referenced (gloo's worker thread at its
-slowest): the runtime's ``comm`` accounting must not move.
+slowest): the runtime's ``comm`` accounting must not move, and no all-gather output may keep memory.
 """
 
 from __future__ import annotations
