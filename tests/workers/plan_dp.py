@@ -6,10 +6,12 @@ under the CPU allocator's profiler. Rank 0 writes the plan's figures beside the 
 the allocator's measured peak, so the test can hold the plan to both at dp > 1, where the small
 parameters' collectives are coalesced (``bucket_bytes``) into flat buffers of their own.
 
-Why several profiled steps and their least peak: the profiler records an allocator event only on the
-thread that profiles (the main one): a tensor made under the profiler and dropped by a second Python
-thread shows its allocation and no free. A gloo ``Work`` references the tensors it was given, and
-gloo's worker thread drops that reference just after it marks the work complete. When that thread is
+Why several profiled steps and their least peak: the profiler records an allocator event only on a
+thread that runs with its thread-local state (the main one; gloo's worker while it runs a collective,
+which it runs under the caller's state): a tensor made under the profiler and dropped by a second
+Python thread shows its allocation and no free. A gloo ``Work`` references the tensors it was given,
+and gloo's worker thread drops that reference just after it marks the work complete, outside that
+state. When that thread is
 descheduled in the window, the tensor's last reference goes on the worker thread and the profile never
 sees the free: its running sum keeps the bytes to the end of the step, though the memory was freed.
 zinf frees what it allocates for a collective at the wait or the release, whoever still holds it (a
