@@ -21,8 +21,8 @@ A bucket's own buffers (the packed input, the collective's output) are freed at 
 wait, on the waiting thread, whoever else still holds them: a ``Work`` references the tensors it was
 given, and gloo's worker thread drops that reference just after it signals completion, so freeing by
 reference count alone made the bytes outlive the wait whenever that thread was descheduled (the
-runtime's ``comm`` peak doubled in 1 of 5 steps on 2 cores). ``BucketBuffers`` frees their storage,
-as ``ParamHandle.release`` frees a gathered parameter's.
+runtime's ``comm`` peak doubled in 1 of 5 steps on 2 cores). ``BucketBuffers`` frees their storage
+(``store.drop_storage``), as ``ParamHandle.release`` frees a gathered parameter's.
 
 In backward, ``zinf.reduce_bucket([g1, g2], [p1, p2], [u1, u2])`` starts one reduce-scatter once the
 last member's gradient exists; each member's ``wait_reduce``/``wait_offload`` stay its own.
@@ -53,9 +53,7 @@ class BucketBuffers:
         self.waits -= 1
         if self.waits == 0:
             for t in self.tensors:
-                storage = t.untyped_storage()
-                if storage.nbytes():
-                    storage.resize_(0)
+                store.drop_storage(t)
             self.tensors = ()
             self.release()
 

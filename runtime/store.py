@@ -405,8 +405,7 @@ class ParamHandle:
         if _is_in_place(storage):
             return
         token = _live_gathered.pop(storage.data_ptr(), None)
-        if storage.nbytes():
-            storage.resize_(0)
+        drop_storage(full)
         if token is not None and token[0]:
             token[1].released(token[0])
             token[0] = 0
@@ -550,9 +549,7 @@ class ParamHandle:
         if work is not None:
             work.wait()
         if private:
-            storage = flat.untyped_storage()
-            if storage.nbytes():
-                storage.resize_(0)
+            drop_storage(flat)
         return shard.div_(self.world)
 
     def accumulate_grad(self, shard: torch.Tensor, owned: bool = False) -> None:
@@ -671,6 +668,15 @@ class ParamHandle:
 
 # -- fused Triton host<->device copies -------------------------------------------------------------
 fused_copies: Dict[str, int] = {"gather_cast": 0, "scatter_accumulate": 0}
+
+
+def drop_storage(t: torch.Tensor) -> None:
+    """Free ``t``'s memory now, whoever else still references it (a collective's ``Work``, a ticket):
+    for buffers zinf made and no reader needs any more, so their bytes end where the schedule and the
+    accounting say, not when the last reference happens to go."""
+    storage = t.untyped_storage()
+    if storage.nbytes():
+        storage.resize_(0)
 
 
 def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
