@@ -170,7 +170,7 @@ def op_reduce_bucket(grads: List[torch.Tensor], params: List[torch.Tensor], uids
                     done["waited"] = True
                 i = members[k]
                 # a tensor of its own: the slot keeps it (owned), and must not pin or alias the bucket
-                shard = out[offsets[k]:offsets[k] + sizes[k]].clone()
+                shard = handles[i].new_grad_shard(out.device).copy_(out[offsets[k]:offsets[k] + sizes[k]])
                 own.waited()
                 return handles[i], shard, buffers[k], True
 

@@ -533,9 +533,18 @@ class ParamHandle:
         if self.padded_numel != self.numel:
             flat = torch.nn.functional.pad(flat, (0, self.padded_numel - self.numel))
         flat = flat.contiguous()
-        shard = torch.empty(self.shard_numel, dtype=torch.float32, device=flat.device)
+        shard = self.new_grad_shard(flat.device)
         work = comm.reduce_scatter_flat(shard, flat, self.placement.group, async_op=async_op)
         return shard, (work, flat, not shares_storage(flat, grad))
+
+    def new_grad_shard(self, device: torch.device) -> torch.Tensor:
+        """An empty fp32 gradient shard on ``device`` for a reduction to fill. On the host with an NVMe
+        gradient tier it starts on a page, so its write goes straight from it to the file with no
+        bounce copy (``SwapEngine._zero_copy``); elsewhere a plain tensor, which an empty memory-tier
+        slot can adopt whole (``Slot.adopt``)."""
+        if self.grad_slot.tier == "nvme" and torch.device(device).type == "cpu":
+            return tiers.aligned_empty(4 * self.shard_numel).view(torch.float32)
+        return torch.empty(self.shard_numel, dtype=torch.float32, device=device)
 
     def finish_reduce(self, shard: torch.Tensor, pending: Any) -> torch.Tensor:
         """Wait for ``start_reduce``'s collective; the mean over dp of this rank's gradient shard.

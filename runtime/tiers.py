@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Dict, Optional, Tuple
 import torch
 
 from . import accounting, comm, hostsync
-from .swap import SwapConfig, SwapEngine, SwapHandle
+from .swap import ALIGN, SwapConfig, SwapEngine, SwapHandle
 
 if TYPE_CHECKING:
     from .context import RuntimeContext
@@ -83,6 +83,16 @@ def set_malloc_mmap_threshold(nbytes: int) -> bool:
     return ok
 
 
+def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
+    """``nbytes`` of uninitialised host memory (uint8) starting on a page boundary (pinned if ``pin``):
+    a view into an allocation one page larger, which it keeps alive."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    if pin:
+        raw = raw.pin_memory()
+    off = (-raw.data_ptr()) % ALIGN
+    return raw[off:off + nbytes]
+
+
 class BufferPool:
     """Reusable host buffers for NVMe reads and writes, by byte size (one pool per model context).
 
@@ -90,6 +100,13 @@ class BufferPool:
     has it; allocating those anew each time (4-64 MiB apiece) leaves glibc holding gigabytes of
     freed heap (measured: peak RSS 0.47-0.73x the model states instead of ~0.2x). Reusing buffers of
     the same sizes keeps resident memory at what is actually in flight. At most ``cap_bytes`` idle.
+
+    Every buffer starts on a page (``swap.ALIGN``): O_DIRECT IO needs page-aligned memory, and the
+    swap engine moves an aligned tensor's whole blocks straight between the file and the tensor
+    (``SwapEngine._zero_copy``). ``torch.empty`` is only 64-byte aligned, so an unaligned buffer
+    cost one more memcpy of every byte read or written, on IO threads that share the cores with
+    compute; on two cores an NVMe step is CPU-bound (README, "NVMe steps on two cores"). The price
+    is up to one page per buffer.
     """
 
     def __init__(self, cap_bytes: int = 512 << 20):
@@ -109,8 +126,7 @@ class BufferPool:
             if free:
                 self._idle -= nbytes
                 return free.pop().view(dtype)
-        raw = torch.empty(nbytes, dtype=torch.uint8)
-        return (raw.pin_memory() if pin else raw).view(dtype)
+        return aligned_empty(nbytes, pin).view(dtype)
 
     def release(self, t: torch.Tensor, fence: Optional[hostsync.Fence] = None) -> None:
         """Give back a buffer from ``acquire`` (nothing may use it afterwards). ``fence``: device work
@@ -265,14 +281,16 @@ class Slot:
             self._mem.copy_(value.reshape(-1))
             return
         self.flush()  # one write in flight per slot: its buffer is recycled before the next
-        data = value.detach().reshape(-1).to("cpu", self.dtype)
-        if data.data_ptr() == value.data_ptr() and not donate:
-            # the write is asynchronous: the caller may change value afterwards
-            data = self.pool.acquire(self.numel, self.dtype)
-            data.copy_(value.reshape(-1))
-            self._pending_buffer = data
+        data = value.detach().reshape(-1)
+        if donate and data.device.type == "cpu" and data.dtype == self.dtype:
+            # written from the caller's memory (or reshape's private copy, which is not recycled)
+            self._pending_buffer = data if (recycle and data.data_ptr() == value.data_ptr()) else None
         else:
-            self._pending_buffer = data if (donate and recycle and data.data_ptr() == value.data_ptr()) else None
+            # into a pooled (page-aligned, so written without a bounce copy) buffer: the write is
+            # asynchronous and the caller may change value afterwards, or value needs a move or a cast
+            pin = self.pin and data.device.type != "cpu"  # a device -> host copy runs faster into pinned memory
+            data = self.pool.acquire(self.numel, self.dtype, pin).copy_(data)
+            self._pending_buffer = data
         if not self._written:
             self.accounting.add("nvme", self.kind, self.nbytes)
         self._pending = self.swap.write(self.key, data)

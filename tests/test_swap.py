@@ -498,3 +498,66 @@ def test_tmpfs_round_trip_and_real_fallback(tmp_path):
             e.write("k", t).wait()
             e.read("k", out).wait()
             assert torch.equal(out, t) and not e.stats()["direct_io"]
+
+
+def test_pool_buffers_start_on_a_page_and_move_without_a_bounce_copy(tmp_path):
+    """``BufferPool`` hands out page-aligned buffers (``tiers.aligned_empty``), reused as such, so the
+    engine reads and writes their whole blocks straight from and into them (O_DIRECT); only a last
+    partial block goes through a bounce slot. With the pool's old 64-byte aligned ``torch.empty`` every
+    byte was copied once more on the IO threads."""
+    from zinf_runtime import tiers
+
+    pool = tiers.BufferPool()
+    n = 3 * MIB + 20  # bytes; not a multiple of a block or a page
+    for dtype in (torch.float32, torch.uint8, torch.bfloat16):
+        t = pool.acquire(n // dtype.itemsize, dtype)
+        assert t.data_ptr() % 4096 == 0 and t.numel() * dtype.itemsize == n // dtype.itemsize * dtype.itemsize
+        pool.release(t)
+        again = pool.acquire(n // dtype.itemsize, dtype)
+        assert again.data_ptr() == t.data_ptr()  # reused, still aligned
+        pool.release(again)
+    src, dst = pool.acquire(n, torch.uint8), pool.acquire(n, torch.uint8)
+    src.copy_(rand_tensor(n, torch.uint8))
+    with SwapEngine(small_cfg(tmp_path, direct_io=True)) as e:
+        e.write("a", src).wait()
+        e.read("a", dst).wait()
+        assert torch.equal(dst, src)
+        full_blocks = n // (64 * KIB) * 64 * KIB
+        assert e.stats()["zero_copy_bytes"] == 2 * full_blocks
+
+
+def test_slot_writes_go_through_aligned_buffers_unless_donated(tmp_path):
+    """An NVMe slot's write of a tensor the caller keeps (or one needing a cast) is copied into a pooled,
+    page-aligned buffer, so the engine writes it without a bounce copy; a donated CPU tensor is
+    written from the caller's memory. Values survive either way. And the gradient shard a reduction
+    fills is page-aligned for an NVMe gradient tier, a plain tensor (adoptable whole) otherwise."""
+    import zinf_runtime
+
+    n = 64 * 300
+    g = torch.Generator().manual_seed(0)
+    handles, params = {}, []  # a handle lives as long as its parameter
+    for tier in ("nvme", "cpu"):
+        p = torch.nn.Parameter(torch.randn(64, 300, generator=g))
+        params.append(p)
+        pl = zinf_runtime.Placement(tier=tier, compute_device=torch.device("cpu"), group=None, optim_tier=tier,
+                                    swap=small_cfg(tmp_path, direct_io=True) if tier == "nvme" else None)
+        zinf_runtime.partition([(f"{tier}.weight", p)], pl, False)
+        handles[tier] = zinf_runtime.handle_of(p)
+    h = handles["nvme"]
+    eng = h.master.swap
+    h.master.flush()
+    zc = eng.stats()["zero_copy_bytes"]
+    kept = torch.randn(n, dtype=torch.float64, generator=g)  # cast on the way: fp64 -> the slot's fp32
+    want = kept.float()
+    h.master.set(kept)
+    kept.zero_()  # the caller may change it at once: the write reads the pooled copy
+    assert torch.equal(h.master.get(), want)
+    assert eng.stats()["zero_copy_bytes"] - zc == n * 4 // (64 * KIB) * 64 * KIB  # all but the last block
+    donated = torch.randn(n, generator=g)
+    h.master.set(donated.clone(), donate=True)
+    assert torch.equal(h.master.get(), donated)
+
+    shard = h.new_grad_shard(torch.device("cpu"))
+    assert shard.dtype == torch.float32 and shard.numel() == h.shard_numel and shard.data_ptr() % 4096 == 0
+    plain = handles["cpu"].new_grad_shard(torch.device("cpu"))
+    assert plain.untyped_storage().nbytes() == 4 * plain.numel()  # Slot.adopt takes only a whole storage
