@@ -87,16 +87,20 @@ def build(name: str, opts: str) -> Step:
     return step
 
 
-def timed(step: Step) -> Tuple[float, float]:
-    """(slowest rank's seconds, loss) of one step started after a barrier."""
+def timed(step: Step) -> Tuple[float, float, float]:
+    """(slowest rank's seconds, CPU seconds of all ranks' threads, loss) of one step started after a
+    barrier. The CPU figure tells a step bound by the cores (CPU s / wall s near the core count) from
+    one waiting for the disk or a peer; it includes what IO threads still did for the step before."""
     if world > 1:
         dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     loss = step()
     t = torch.tensor([time.perf_counter() - t0])
+    cpu = torch.tensor([time.process_time() - c0])
     if world > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t), loss
+        dist.all_reduce(cpu)
+    return float(t), float(cpu), loss
 
 
 variants: Dict[str, Step] = {}
@@ -107,17 +111,20 @@ for n, v in variants.items():
     for _ in range(2):
         v()
 times: Dict[str, List[float]] = {n: [] for n in variants}
+cpus: Dict[str, List[float]] = {n: [] for n in variants}
 losses: Dict[str, float] = {}
 for r in range(int(os.environ.get("ROUNDS", 8))):
     for n, v in variants.items():
-        t, losses[n] = timed(v)
+        t, cpu, losses[n] = timed(v)
         times[n].append(t)
+        cpus[n].append(cpu)
 base = statistics.median(times[next(iter(times))])
 if rank == 0:
     print(f"SIZE={size} BATCH={B} dp={world} threads/rank={torch.get_num_threads()} rounds={len(times[n])}")
     for n, ts in times.items():
         m = statistics.median(ts)
-        print(f"{n:24s} median {m:.3f}  ratio {m/base:.3f}  min {min(ts):.3f}  max {max(ts):.3f}  last loss {losses[n]:.4f}")
+        print(f"{n:24s} median {m:.3f}  ratio {m/base:.3f}  min {min(ts):.3f}  max {max(ts):.3f}  "
+              f"cpu s {statistics.median(cpus[n]):.3f}  last loss {losses[n]:.4f}")
 if os.environ.get("PROF"):
     from torch.profiler import profile, ProfilerActivity
     agg: Dict[str, Dict[str, List[float]]] = {n: {} for n in variants}
