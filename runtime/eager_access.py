@@ -61,13 +61,15 @@ _DATA_SET = torch.Tensor.data.__set__
 
 
 def _partitioned_args(cls: type, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
-    """The arguments of class ``cls``, one level into lists and tuples (``torch.cat``, ``_foreach_*``)."""
+    """The arguments that are ``cls`` instances, one level into lists and tuples (``torch.cat``,
+    ``_foreach_*``). ``isinstance``, not ``type() is``: one call may mix ``PartitionedParameter`` with
+    the partitioned class of a user's Parameter subclass, and torch asks only the most derived one."""
     for a in itertools.chain(args, kwargs.values()):
-        if type(a) is cls:
+        if isinstance(a, cls):
             yield a
         elif type(a) in (list, tuple):
             for t in a:
-                if type(t) is cls:
+                if isinstance(t, cls):
                     yield t
 
 

@@ -17,6 +17,7 @@ import itertools
 import os
 import sys
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -843,7 +844,7 @@ class PartitionedParameter(torch.nn.Parameter):
         # each on top of nn.Parameter's own dispatch); Dynamo, tracing this, sees only the first
         if not (torch.compiler.is_compiling() or getattr(func, "namespace", None) == "zinf" or func in DATA_FREE):
             caller = sys._getframe(1).f_code if func is torch.Tensor.detach else None
-            out = eager_call(cls, func, args, kwargs, caller)
+            out = eager_call(PartitionedParameter, func, args, kwargs, caller)
             if out is not NOT_SERVED:
                 return out
         return super().__torch_function__(func, types, args, kwargs)
@@ -859,9 +860,12 @@ class PartitionedParameter(torch.nn.Parameter):
     __str__ = __repr__
 
     def _plain(self) -> torch.nn.Parameter:
+        """The full value in the parameter's class before partitioning (``nn.Parameter``, or the user's
+        own subclass), made as ``Parameter.__deepcopy__`` makes a copy: ``cls(data, requires_grad)``."""
         h = handle_of(self)
         data = self.detach().clone() if self._has_data() or h is None else h.full_data(self.dtype)
-        return torch.nn.Parameter(data.to(self.device), requires_grad=self.requires_grad)
+        cls = getattr(type(self), "_zinf_user_class", torch.nn.Parameter)
+        return cls(data.to(self.device), self.requires_grad)
 
     def __deepcopy__(self, memo: dict) -> torch.nn.Parameter:
         if id(self) not in memo:
@@ -893,12 +897,40 @@ def retype_partitioned(params: Iterable[torch.Tensor]) -> None:
     The backend partitions while Dynamo compiles, and calls this only once its compile succeeded:
     Dynamo may restart the analysis from inside the backend (``dynamic=True``), and a retrace that
     finds the parameters' class changed inlines ``PartitionedParameter.__torch_function__`` where the
-    first trace did not, which Dynamo refuses (``SpeculationLogDivergence``). A user's own Parameter
-    subclass keeps its class (and is not guarded against eager reads).
+    first trace did not, which Dynamo refuses (``SpeculationLogDivergence``).
+
+    A user's own ``nn.Parameter`` subclass ``C`` becomes ``partitioned_class(C)``, a subclass of both,
+    so ``isinstance(p, C)`` and ``C``'s methods still hold and eager reads are guarded too (before,
+    such a parameter kept ``C`` and an eager read of its 0-byte storage killed the process). A class
+    whose layout forbids the change (``__slots__``) keeps ``C``, with a warning.
     """
     for p in params:
-        if type(p) is torch.nn.Parameter and handle_of(p) is not None:
-            p.__class__ = PartitionedParameter
+        cls = type(p)
+        if handle_of(p) is None or issubclass(cls, PartitionedParameter) or not issubclass(cls, torch.nn.Parameter):
+            continue
+        try:
+            p.__class__ = PartitionedParameter if cls is torch.nn.Parameter else partitioned_class(cls)
+        except TypeError as e:
+            warnings.warn(f"zinf: parameter {handle_of(p).name!r} of class {cls.__name__} cannot be guarded "
+                          f"against eager reads ({e}): reading it outside a compiled graph reads freed memory. "
+                          "Read it with zinf_compile.gathered(model) or full_state_dict(model).", stacklevel=2)
+
+
+_partitioned_classes: Dict[type, type] = {}
+_classes_lock = threading.Lock()  # not _lock: partition() may hold that when it retypes
+
+
+def partitioned_class(cls: type) -> type:
+    """The class a partitioned parameter of the user's ``nn.Parameter`` subclass ``cls`` takes: one per
+    ``cls``, ``PartitionedParameter`` first in its MRO (its guard runs before ``cls``'s own
+    ``__torch_function__``, which it then defers to), ``cls`` after."""
+    with _classes_lock:
+        out = _partitioned_classes.get(cls)
+        if out is None:
+            out = type(f"Partitioned{cls.__name__}", (PartitionedParameter, cls),
+                       {"__module__": __name__, "_zinf_user_class": cls})
+            _partitioned_classes[cls] = out
+        return out
 
 
 def partition(

@@ -183,3 +183,75 @@ def test_eager_reads_of_partitioned_parameters_raise_and_lose_nothing():
         assert d <= ATOL + RTOL * out["scale_rel"][k], (k, d)
     assert out["returned_param"] is not None and "'w'" in out["returned_param"], out["returned_param"]
     assert abs(out["gathered_sum"] - out["ref_sum"]) <= ATOL * 64 + RTOL * abs(out["ref_sum"])
+
+
+_SUBCLASS_WORKER = textwrap.dedent("""
+    import copy, json
+    import torch, torch.nn as nn
+    import zinf_compile
+    from zinf_compile import PartitionedDataError
+
+    class Tagged(nn.Parameter):  # a user's own Parameter subclass, with a method and an attribute
+        def doubled_shape(self):
+            return [2 * d for d in self.shape]
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.w = Tagged(torch.randn(8, 8))
+
+        def forward(self, x):
+            return torch.tanh(self.lin(x) @ self.w)
+
+    torch.manual_seed(0)
+    ref = M()
+    model = copy.deepcopy(ref)
+    model.w.tag = "mine"  # an attribute on the parameter object survives (it is the same object)
+    cmodel = torch.compile(model, backend="zinf", options={"compiler": "eager"})
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    xs = [torch.randn(4, 8) for _ in range(2)]
+
+    def step(i):
+        for m, opt in zip((ref, cmodel), opts):
+            opt.zero_grad()
+            m(xs[i]).pow(2).sum().backward()
+            opt.step()
+
+    step(0)
+    w = model.w
+    out = {"isinstance": isinstance(w, Tagged), "method": w.doubled_shape(), "tag": w.tag, "errors": {}}
+    for name, f in {"sum": lambda: w.sum(), "mixed_foreach": lambda: torch._foreach_norm([model.lin.weight, w]),
+                    "mixed_cat": lambda: torch.cat([w.new_zeros(0), model.lin.bias])}.items():
+        try:
+            f()
+            out["errors"][name] = None
+        except PartitionedDataError as e:
+            out["errors"][name] = str(e)
+    c = copy.deepcopy(w)  # eager's meaning: Tagged(values, requires_grad), no attributes (torch's deepcopy)
+    out["copy"] = [type(c).__name__, getattr(c, "tag", None), c.requires_grad,
+                   float((c.detach() - ref.w.detach()).abs().max())]
+    sd = model.state_dict()
+    out["sd_diff"] = max(float((sd[k] - v).abs().max()) for k, v in ref.state_dict().items())
+    step(1)
+    out["diff"] = max(float((v - ref.state_dict()[k]).abs().max())
+                      for k, v in zinf_compile.full_state_dict(model).items())
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def test_user_parameter_subclass_is_guarded_and_keeps_its_class():
+    """A user's ``nn.Parameter`` subclass becomes a partitioned class derived from it: ``isinstance``, its
+    methods and attributes hold, ``deepcopy`` gives the user's class with eager's values (as torch's
+    ``Parameter.__deepcopy__`` does: no attributes), and an eager
+    read raises ``PartitionedDataError`` (also mixed with plain partitioned parameters in one call).
+    Before, such a parameter kept its class unguarded and ``w.sum()`` killed the process (SIGSEGV)."""
+    proc = subprocess.run([sys.executable, "-c", _SUBCLASS_WORKER], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert proc.returncode == 0, f"rc {proc.returncode} (a segfault is -11): {proc.stderr[-3000:]}"
+    out = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
+    assert out["isinstance"] and out["method"] == [16, 16] and out["tag"] == "mine", out
+    for name, msg in out["errors"].items():
+        assert msg is not None and "zinf_compile.gathered" in msg, (name, msg)
+    assert out["copy"][:3] == ["Tagged", None, True] and out["copy"][3] <= ATOL + RTOL * 3, out["copy"]
+    assert out["sd_diff"] <= ATOL + RTOL * 3 and out["diff"] <= ATOL + RTOL * 3, out
