@@ -28,6 +28,23 @@ from conftest import ATOL, RTOL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# the two models a worker compares, defined after its ``class M``: eager ``ref`` and ``model`` (compiled
+# lazily as ``cmodel``: its first call partitions it), trained together by ``step(i)`` with SGD
+_TWINS = textwrap.dedent("""
+    torch.manual_seed(0)
+    ref = M()
+    model = copy.deepcopy(ref)
+    cmodel = torch.compile(model, backend="zinf", options={"compiler": "eager"})
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    xs = [torch.randn(4, 8) for _ in range(3)]
+
+    def step(i):
+        for m, opt in zip((ref, cmodel), opts):
+            opt.zero_grad()
+            m(xs[i]).pow(2).sum().backward()
+            opt.step()
+""")
+
 _WORKER = textwrap.dedent("""
     import copy, io, json
     import torch, torch.nn as nn
@@ -43,19 +60,7 @@ _WORKER = textwrap.dedent("""
         def forward(self, x):
             return torch.tanh(self.lin(x) * self.scale)
 
-    torch.manual_seed(0)
-    ref = M()
-    model = copy.deepcopy(ref)
-    cmodel = torch.compile(model, backend="zinf", options={"compiler": "eager"})
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
-    xs = [torch.randn(4, 8) for _ in range(3)]
-
-    def step(i):
-        for m, opt in zip((ref, cmodel), opts):
-            opt.zero_grad()
-            m(xs[i]).pow(2).sum().backward()
-            opt.step()
-
+""") + _TWINS + textwrap.dedent("""
     step(0)
     w, s = model.lin.weight, model.scale
     reads = {
@@ -204,20 +209,8 @@ _SUBCLASS_WORKER = textwrap.dedent("""
         def forward(self, x):
             return torch.tanh(self.lin(x) @ self.w)
 
-    torch.manual_seed(0)
-    ref = M()
-    model = copy.deepcopy(ref)
-    model.w.tag = "mine"  # an attribute on the parameter object survives (it is the same object)
-    cmodel = torch.compile(model, backend="zinf", options={"compiler": "eager"})
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
-    xs = [torch.randn(4, 8) for _ in range(2)]
-
-    def step(i):
-        for m, opt in zip((ref, cmodel), opts):
-            opt.zero_grad()
-            m(xs[i]).pow(2).sum().backward()
-            opt.step()
-
+""") + _TWINS + textwrap.dedent("""
+    model.w.tag = "mine"  # set before the first call partitions it: the attribute survives the class change
     step(0)
     w = model.w
     out = {"isinstance": isinstance(w, Tagged), "method": w.doubled_shape(), "tag": w.tag, "errors": {}}

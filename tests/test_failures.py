@@ -241,13 +241,22 @@ def test_uncompiled_module_after_partitioning_raises_naming_the_fix():
 
 
 class _OwnParameter(nn.Parameter):
-    """A Parameter subclass keeps its class when partitioned (plain Parameters become
-    PartitionedParameter, and Dynamo's type guard then compiles a second instance anew)."""
+    """A user's Parameter subclass; in the test below its class change is refused, so it keeps its class
+    when partitioned (otherwise it becomes ``PartitionedOwnParameter``, and Dynamo's type guard then
+    compiles a second instance anew, as for plain Parameters)."""
 
 
-def test_guard_covers_another_instance_run_through_the_same_graph():
+def test_guard_covers_another_instance_run_through_the_same_graph(monkeypatch):
     """Dynamo runs a second instance of the class through the graph compiled for the first, without
-    compiling (the runtime partitions its parameters on that call): its modules get the guard then."""
+    compiling (the runtime partitions its parameters on that call): its modules get the guard then.
+    Reached when a parameter keeps its class: a subclass whose class change is refused (warned)."""
+    from zinf_runtime import store
+
+    def refuse(cls):
+        raise TypeError("__class__ assignment: layout differs")
+
+    monkeypatch.setattr(store, "partitioned_class", refuse)
+
     class Lin(nn.Module):
         def __init__(self):
             super().__init__()
@@ -260,7 +269,8 @@ def test_guard_covers_another_instance_run_through_the_same_graph():
     c1 = torch.compile(first, backend="zinf", options={"compiler": "eager"})
     c2 = torch.compile(second, backend="zinf", options={"compiler": "eager"})
     (x,) = mlp_batches(1)[0]
-    c1(x).sum().backward()
+    with pytest.warns(UserWarning, match=r"'weight' of class _OwnParameter cannot be guarded"):
+        c1(x).sum().backward()
     n = _next_record_id()
     c2(x).sum().backward()
     assert _next_record_id() == n  # the second instance compiled nothing: it ran the first one's graph
