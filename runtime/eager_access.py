@@ -63,7 +63,8 @@ _DATA_SET = torch.Tensor.data.__set__
 def _partitioned_args(cls: type, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
     """The arguments that are ``cls`` instances, one level into lists and tuples (``torch.cat``,
     ``_foreach_*``). ``isinstance``, not ``type() is``: one call may mix ``PartitionedParameter`` with
-    the partitioned class of a user's Parameter subclass, and torch asks only the most derived one."""
+    the partitioned class of a user's Parameter subclass, and torch calls the most derived class's
+    override first: its answer must cover every partitioned argument."""
     for a in itertools.chain(args, kwargs.values()):
         if isinstance(a, cls):
             yield a

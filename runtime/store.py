@@ -901,8 +901,9 @@ def retype_partitioned(params: Iterable[torch.Tensor]) -> None:
 
     A user's own ``nn.Parameter`` subclass ``C`` becomes ``partitioned_class(C)``, a subclass of both,
     so ``isinstance(p, C)`` and ``C``'s methods still hold and eager reads are guarded too (before,
-    such a parameter kept ``C`` and an eager read of its 0-byte storage killed the process). A class
-    whose layout forbids the change (``__slots__``) keeps ``C``, with a warning.
+    such a parameter kept ``C`` and an eager read of its 0-byte storage killed the process). Should
+    Python refuse the ``__class__`` change (none seen: a ``__slots__`` subclass is accepted, the new
+    class inherits its slots), the parameter keeps ``C``, with a warning.
     """
     for p in params:
         cls = type(p)
