@@ -20,6 +20,10 @@
 #                      2 timed steps (3 for step_cpu); both write their figures after every step
 #   gpu_check (180 s)  benchmarks/gpu_check.py: correctness on the device (Triton kernels, fence
 #                      ordering, parity none/cpu/nvme, accumulation, bf16, Inductor, NCCL)
+#   --parts a,b,..     runs only these parts (in the order above): a lease is minutes long, so a rerun
+#                      after a fix repeats only what failed; the report lists only the parts run
+#   --keep-logs F.tgz  also keeps every part's full log and JSON in one archive (the report holds only
+#                      the tail of a failing part's log)
 # Environment: PYTHON (default: .venv/bin/python if present, else python3), NVME_DIR,
 # GPU_SH_DRY_TIMEOUT_SCALE (--dry-run multiplies every part's timeout by it; default 5).
 # Exit status: 0 when every part passed, 1 otherwise, 2 on bad arguments or no GPU without --dry-run.
@@ -28,15 +32,29 @@ cd "$(dirname "$0")/.."
 
 DRY=0
 OUT=gpu.json
+ONLY=""
+KEEP=""
+ALL_PARTS="setup env peak copy step_cpu step_nvme gpu_check"
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
     --out) OUT="$2"; shift ;;
     --out=*) OUT="${1#--out=}" ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    --parts) ONLY="$2"; shift ;;
+    --parts=*) ONLY="${1#--parts=}" ;;
+    --keep-logs) KEEP="$2"; shift ;;
+    --keep-logs=*) KEEP="${1#--keep-logs=}" ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
     *) echo "gpu.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
+done
+
+for p in ${ONLY//,/ }; do
+  case " $ALL_PARTS " in
+    *" $p "*) ;;
+    *) echo "gpu.sh: unknown part '$p' in --parts; choose from: ${ALL_PARTS// /,}" >&2; exit 2 ;;
+  esac
 done
 
 if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
@@ -50,7 +68,8 @@ fi
 
 PARTS=$(mktemp -d -t zinf-gpu-sh.XXXXXX)
 export PARTS
-trap 'rm -rf "$PARTS"' EXIT
+# the archive is written on any exit, so a run cut short still leaves its logs
+trap '[ -n "$KEEP" ] && tar czf "$KEEP" -C "$PARTS" .; rm -rf "$PARTS"' EXIT
 : > "$PARTS/order"
 DRYFLAG=""
 [ "$DRY" = 1 ] && DRYFLAG="--dry-run"
@@ -59,6 +78,7 @@ DRYFLAG=""
 part() {
   local name="$1" limit="$2"; shift 2
   local t0 t1 rc
+  if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then return 0; fi
   # the limits are sized for the GPU run; a dry run on a shared CPU only proves the script, so it may take longer
   [ "$DRY" = 1 ] && limit=$((limit * ${GPU_SH_DRY_TIMEOUT_SCALE:-5}))
   t0=$(date +%s.%N)

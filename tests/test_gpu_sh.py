@@ -39,6 +39,24 @@ def test_gpu_sh_refuses_without_a_gpu(tmp_path):
     assert bad.returncode == 2 and "unknown argument --bogus" in bad.stderr
 
 
+def test_gpu_sh_parts_runs_only_those_and_keeps_their_logs(tmp_path):
+    """A lease is minutes long: a rerun repeats only the named parts, and their full logs come back."""
+    import tarfile
+
+    out, keep = tmp_path / "env.json", tmp_path / "logs.tgz"
+    proc = subprocess.run(["bash", GPU_SH, "--dry-run", "--parts", "env", "--keep-logs", str(keep), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env=_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(out.read_text())
+    assert list(r["parts"]) == ["env"] and r["failed"] == []
+    with tarfile.open(keep) as tar:
+        names = {os.path.basename(n) for n in tar.getnames()}
+    assert {"env.log", "env.json", "order"} <= names
+    bad = subprocess.run(["bash", GPU_SH, "--dry-run", "--parts", "env,bogus", "--out", str(tmp_path / "b.json")],
+                         capture_output=True, text=True, timeout=60, env=_env())
+    assert bad.returncode == 2 and "unknown part 'bogus'" in bad.stderr and "step_nvme" in bad.stderr
+
+
 @pytest.mark.slow
 def test_gpu_sh_dry_run_writes_every_part(tmp_path):
     out = tmp_path / "dry.json"
