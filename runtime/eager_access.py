@@ -82,8 +82,8 @@ def eager_call(cls: type, func: Any, args: tuple, kwargs: dict, caller: Any) -> 
     for t in _partitioned_args(cls, args, kwargs):
         if not t._has_data() and not any(t is e for e in empty):
             empty.append(t)
-    if not empty:
-        return NOT_SERVED
+    if not empty or _in_compile_session():
+        return NOT_SERVED  # a compile session (Dynamo, a backend) works on metadata, as nn.Parameter
     p = empty[0]
     serve = _SERVED.get(func)
     if serve is not None and len(empty) == 1 and args and args[0] is p:
@@ -91,6 +91,14 @@ def eager_call(cls: type, func: Any, args: tuple, kwargs: dict, caller: Any) -> 
         if out is not NOT_SERVED:
             return out
     raise PartitionedDataError(_message(p, func))
+
+
+def _in_compile_session() -> bool:
+    """``_torch_compat.in_compile_session`` (private torch API lives there): reached only on calls
+    that would otherwise be refused, never on the hot path."""
+    from zinf_compile._torch_compat import in_compile_session
+
+    return in_compile_session()
 
 
 # -- served calls ---------------------------------------------------------------------------------

@@ -160,3 +160,51 @@ def test_state_dict_detaches_each_parameter_from_save_to_state_dict():
     with torch._C.DisableTorchFunctionSubclass():
         m.weight.detach()
     assert len(seen) == 1
+
+
+def _as_on_torch_2_11(monkeypatch) -> None:
+    """torch 2.11 holds ``is_compiling()`` True only inside Dynamo-traced code; 2.13 holds it for the
+    whole compile session through this context manager, so making it a no-op gives 2.11's behaviour."""
+    import contextlib
+
+    if hasattr(torch.compiler, "_compile_session_context"):
+        monkeypatch.setattr(torch.compiler, "_compile_session_context", contextlib.nullcontext)
+
+
+def test_in_compile_session_holds_for_the_whole_compilation_on_every_version(monkeypatch):
+    from torch._guards import CompileContext
+
+    _as_on_torch_2_11(monkeypatch)
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["session"] = tc.in_compile_session()
+        seen["is_compiling"] = torch.compiler.is_compiling()
+        seen["compile_context"] = CompileContext.try_get() is not None  # the private API it reads
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda x: x * 2, backend=backend)(torch.ones(3))
+    assert seen == {"session": True, "is_compiling": False, "compile_context": True}
+    assert not tc.in_compile_session()
+
+
+def test_a_model_built_partitioned_compiles_on_torch_2_11(monkeypatch):
+    """On the lent H200 (torch 2.11) Dynamo's ``describe_tensor`` called ``is_conj()`` on a parameter
+    that ``zinf_compile.init`` had partitioned, outside traced code, and the eager-read guard refused it."""
+    import zinf_compile
+    from zinf_compile.models import GPT, GPTConfig
+
+    _as_on_torch_2_11(monkeypatch)
+    torch._dynamo.reset()
+    cfg = GPTConfig(vocab=64, seq=16, layers=1, hidden=32, heads=4)
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    torch.manual_seed(0)
+    with zinf_compile.init(offload_params="cpu", offload_optimizer="cpu", compiler="eager") as zi:
+        model = GPT(cfg)
+    x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    loss = torch.compile(model, backend="zinf", options=zi.options)(x, y)
+    torch.testing.assert_close(loss, ref(x, y), rtol=1e-6, atol=1e-6)
+    with torch.no_grad(), __import__("pytest").raises(zinf_compile.PartitionedDataError):
+        next(model.parameters()).sum()  # eager reads are still refused outside a compilation

@@ -196,3 +196,19 @@ def compile_options_of(module: Any) -> Any:
     if name is None or kwargs is None:
         return None
     return name, kwargs.get("options")
+
+
+def in_compile_session() -> bool:
+    """Whether a ``torch.compile`` compilation is under way on this thread, traced code or not.
+
+    ``torch.compiler.is_compiling()`` says so for the whole session from torch 2.13 (Dynamo holds its
+    flag while it converts a frame). On torch 2.11 it is True only inside Dynamo-traced code, so
+    Dynamo's own metadata reads of a real parameter (``describe_tensor``: ``is_conj``, ``is_neg``...)
+    and a backend's work look like eager calls there. Dynamo's ``CompileContext`` (private, in
+    ``torch._guards`` since 2.0) is set for the whole conversion of a frame on every version.
+    """
+    if torch.compiler.is_compiling():
+        return True
+    from torch._guards import CompileContext
+
+    return CompileContext.try_get() is not None
