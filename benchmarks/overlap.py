@@ -140,12 +140,13 @@ def run_model_row(args: argparse.Namespace) -> Dict[str, Any]:
     own_tmp = args.nvme_path is None
     try:
         torch.manual_seed(0)
-        model = GPT(cfg)
+        dev = torch.device(args.device)
+        model = GPT(cfg).to(dev)
         n_params = sum(p.numel() for p in model.parameters())
         opts = row_options(args.row, args, nvme)
         cmodel = torch.compile(model, backend="zinf", options=opts)
         opt = zinf_compile.optim.AdamW(model.parameters(), lr=1e-4)
-        batches = [make_batch(cfg, m["batch"], seed) for seed in range(4)]
+        batches = [tuple(t.to(dev) for t in make_batch(cfg, m["batch"], seed)) for seed in range(4)]
 
         def step(i: int) -> float:
             x, y = batches[i % len(batches)]
@@ -340,7 +341,7 @@ def spawn(args: argparse.Namespace, row: str, extra: List[str], tmp: str) -> Dic
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, OMP_NUM_THREADS=str(args.threads))
     cmd = [sys.executable, os.path.abspath(__file__), "--row", row, "--json-out", out,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-           "--compiler", args.compiler, "--transfer-repeat", str(args.transfer_repeat)]
+           "--compiler", args.compiler, "--transfer-repeat", str(args.transfer_repeat), "--device", args.device]
     for k, v in model_dims(args).items():
         cmd += [f"--{k}", str(v)]
     if args.quick:
@@ -399,7 +400,7 @@ def report(args: argparse.Namespace, results: Dict[str, Dict[str, Any]], summary
              f"command: `{meta['command']}`  ", f"git: {meta['git']}  ",
              f"model: GPTConfig(vocab={m['vocab']}, seq={m['seq']}, layers={m['layers']}, hidden={m['hidden']}, "
              f"heads={m['heads']}) = {fmt(p / 1e6 if p else None, '.2f')}M params, batch {m['batch']}x{m['seq']}, "
-             f"zinf_compile.optim.AdamW, compiler {args.compiler}, {args.threads} threads  ",
+             f"zinf_compile.optim.AdamW, compiler {args.compiler}, device {args.device}, {args.threads} threads  ",
              f"timing: first step (compile included), then {args.warmup} warm-up step(s), then the median of "
              f"{args.steps} steps; each row a fresh process with an empty Inductor cache  ",
              f"machine: {os.cpu_count()} cores, load average at start {meta['load_start']}  ", "",
@@ -506,6 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps after the first (default 1; --quick 0)")
     p.add_argument("--quick", action="store_true", help="tiny model, 2 steps: a smoke test, not a measurement")
     p.add_argument("--compiler", default="inductor", choices=["inductor", "eager"])
+    p.add_argument("--device", default="cpu", help="compute device of the model rows (cuda: a lent GPU; the "
+                   "optimizer and the swap stay on the host). A step ends with the loss's .item(), a sync")
     for k in ("vocab", "seq", "layers", "hidden", "heads", "batch"):
         p.add_argument(f"--{k}", type=int, default=None, help=f"model size (default {FULL[k]}; --quick {QUICK[k]})")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
