@@ -46,7 +46,7 @@ while [ $# -gt 0 ]; do
     --parts=*) ONLY="${1#--parts=}" ;;
     --keep-logs) KEEP="$2"; shift ;;
     --keep-logs=*) KEEP="${1#--keep-logs=}" ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
     *) echo "gpu.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
