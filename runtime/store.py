@@ -55,6 +55,7 @@ class Placement:
     swap: Optional[SwapConfig] = None
     sub_group_bytes: int = 256 << 20  # NVMe optimizer: bytes of states stepped at a time
     partition: str = "bandwidth"  # "bandwidth": 1/dp per rank; "broadcast": one owner (runtime/broadcast.py)
+    nvme_min_bytes: int = 0  # a parameter whose fp32 shard is smaller stays in CPU memory (``for_shard``)
     context: Optional[RuntimeContext] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -69,6 +70,26 @@ class Placement:
     @property
     def master_tier(self) -> str:
         return self.optim_tier or self.tier
+
+    def for_numel(self, numel: int) -> "Placement":
+        """The placement of a parameter of ``numel`` elements: this one, except that an NVMe tier
+        becomes CPU memory when the parameter's fp32 shard (1/dp of it, as under the bandwidth
+        scheme, so every rank decides alike) is under ``nvme_min_bytes``.
+
+        Why: each NVMe state of a parameter is its own file and request (master, gradient, moments:
+        about 7 requests a step), and a request's fixed cost (open, queue hand-off, thread wake-up)
+        does not shrink with its size. Norm weights and biases are most of a transformer's
+        parameters by count and a tiny share of its bytes; kept in host memory they cost kilobytes of
+        RAM and save most of the requests (DeepSpeed keeps such parameters out of its swapping too,
+        ``param_persistence_threshold``).
+        """
+        if not self.nvme_min_bytes or "nvme" not in (self.tier, self.master_tier):
+            return self
+        world = comm.world_size(self.group)
+        if 4 * -(-numel // world) >= self.nvme_min_bytes:
+            return self
+        return replace(self, tier="cpu" if self.tier == "nvme" else self.tier,
+                       optim_tier="cpu" if self.master_tier == "nvme" else self.optim_tier)
 
     def device_of(self, tier: str) -> torch.device:
         return self.compute_device if tier == "device" else torch.device("cpu")
@@ -953,7 +974,7 @@ def partition(
         for name, p in items:
             h = handle_of(p)
             if h is not None:
-                if h.placement != placement:
+                if h.placement != placement.for_numel(p.numel()):
                     raise ValueError(
                         f"zinf: parameter {name!r} is already partitioned with {h.placement}, not "
                         f"{placement}; compile every graph of a model with the same options."
@@ -971,7 +992,7 @@ def partition(
             if comm.world_size(placement.group) > 1 and sync_from_rank0:
                 flat = flat.clone()
                 comm.broadcast(flat, placement.group)  # staged through the group's device if needed
-            h = ParamHandle(name, p.shape, p.dtype, p.requires_grad, placement, flat, param=p)
+            h = ParamHandle(name, p.shape, p.dtype, p.requires_grad, placement.for_numel(p.numel()), flat, param=p)
             _handles[h.uid] = h
             setattr(p, UID_ATTR, h.uid)
             weakref.finalize(p, _forget, h.uid)

@@ -12,6 +12,7 @@ import sympy
 import torch
 
 import zinf_compile
+import zinf_runtime
 from zinf_compile.memory_plan import KINDS, TIERS, MemoryPlan, build_plan
 from zinf_compile.models import GPT, GPTConfig, make_batch
 
@@ -356,6 +357,44 @@ def test_nvme_plan_counts_files_on_nvme_and_host_buffers_on_cpu(tmp_path):
     opt.step()
     files = _swap_files(str(tmp_path / "run"))
     assert len(files) == 7 * len(params) and sum(files.values()) <= plan.nvme_file_bytes()
+    del cm, opt
+    torch._dynamo.reset()
+
+
+def test_small_shards_stay_in_cpu_memory_in_plan_and_on_disk(tmp_path):
+    """``nvme_min_shard_bytes``: parameters whose fp32 shard is under it (norms, biases) keep their
+    states in CPU memory, the others in files; the plan says so and the swap folder holds exactly
+    the big ones' files (two per key: ``nvme_reuse_files``' spare)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    x, y = make_batch(CFG, 2, seed=0)
+    (tmp_path / "plan").mkdir()
+    (tmp_path / "run").mkdir()
+    opts = {"offload_params": "nvme", "offload_optimizer": "nvme", "nvme_path": str(tmp_path / "run"),
+            "nvme_min_shard_bytes": 1024}
+    plan = zinf_compile.memory_plan(model, (x, y), optimizer="adamw", **{**opts, "nvme_path": str(tmp_path / "plan")})
+    params = list(model.parameters())
+    small = [p for p in params if p.numel() * 4 < 1024]
+    big = [p for p in params if p.numel() * 4 >= 1024]
+    assert small and big
+    assert plan.peak("nvme", "param") == sum(p.numel() * 4 for p in big)
+    assert plan.peak("cpu", "param") == sum(p.numel() * 4 for p in small)
+    assert plan.peak("cpu", "optim") == sum(p.numel() * 8 for p in small) + 4 * len(params)  # + Adam's steps
+    pad = lambda n: -(-n // 4096) * 4096  # noqa: E731
+    assert plan.nvme_file_bytes() == sum(8 * pad(p.numel() * 4) for p in big)
+
+    cm = torch.compile(model, backend="zinf", options={"compiler": "eager", **opts})
+    opt = zinf_compile.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):  # the second step rewrites every key once more: each has its spare
+        cm(x, y).backward()
+        opt.step()
+    files = _swap_files(str(tmp_path / "run"))
+    assert len(files) == 8 * len(big)
+    assert sum(files.values()) == plan.nvme_file_bytes()
+    tiers = {(p.numel() * 4 < 1024, zinf_runtime.handle_of(p).placement.tier,
+              zinf_runtime.handle_of(p).placement.master_tier) for p in params}
+    assert tiers == {(True, "cpu", "cpu"), (False, "nvme", "nvme")}
     del cm, opt
     torch._dynamo.reset()
 

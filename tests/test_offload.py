@@ -49,6 +49,46 @@ def test_all_offload_combinations_match_eager(params, optim, tmp_path):
 
 
 @pytest.mark.parity
+@pytest.mark.parametrize("params, optim", [("nvme", "nvme"), ("cpu", "nvme"), ("nvme", "none")])
+def test_small_shards_kept_in_memory_train_like_eager(params, optim, tmp_path):
+    """``nvme_min_shard_bytes``: small parameters' NVMe states stay in CPU memory; the training is
+    still bitwise eager's, and only the big parameters have swap files."""
+    batches = [make_batch(CFG, 4, seed=i) for i in range(3)]
+    run = train_pair(lambda: GPT(CFG), batches, opts(params, optim, tmp_path, nvme_min_shard_bytes=1024))
+    assert_grads_equal(run)
+    assert_same_training(run, exact=True)
+    want = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
+    small = {n for n, p in run.model.named_parameters() if p.numel() * 4 < 1024}
+    assert small and len(small) < len(list(run.model.parameters()))
+    for name, p in run.model.named_parameters():
+        pl = zinf_runtime.handle_of(p).placement
+        if name in small:  # NVMe became CPU memory, the other tier is kept
+            assert (pl.tier, pl.master_tier) == tuple("cpu" if t == "nvme" else t
+                                                      for t in (want[params], want[optim])), name
+        else:
+            assert (pl.tier, pl.master_tier) == (want[params], want[optim]), name
+
+
+def test_placement_for_numel_rule():
+    """The rule every rank applies alike: the bandwidth scheme's shard, 4 bytes an element, against
+    the threshold; only NVMe tiers change; 0 turns it off."""
+    cpu = torch.device("cpu")
+    swap = zinf_runtime.swap.SwapConfig(nvme_path="/tmp")
+    nn = zinf_runtime.Placement(tier="nvme", compute_device=cpu, optim_tier="nvme", swap=swap, nvme_min_bytes=1024)
+    assert nn.for_numel(255).tier == "cpu" and nn.for_numel(255).master_tier == "cpu"
+    assert nn.for_numel(256) is nn  # 1024 bytes: not under
+    dn = zinf_runtime.Placement(tier="device", compute_device=cpu, optim_tier="nvme", swap=swap, nvme_min_bytes=1024)
+    assert (dn.for_numel(10).tier, dn.for_numel(10).master_tier) == ("device", "cpu")
+    off = zinf_runtime.Placement(tier="nvme", compute_device=cpu, optim_tier="nvme", swap=swap)
+    assert off.for_numel(1) is off
+    mem = zinf_runtime.Placement(tier="cpu", compute_device=cpu, nvme_min_bytes=1 << 20)
+    assert mem.for_numel(1) is mem
+    for bad in (-1, True, 1.5, "1k"):
+        with pytest.raises(ValueError, match="nvme_min_shard_bytes"):
+            zinf_compile.Config.from_options({"nvme_min_shard_bytes": bad})
+
+
+@pytest.mark.parity
 def test_gradient_accumulation_with_nvme(tmp_path):
     batches = [make_batch(CFG, 4, seed=i) for i in range(6)]
     run = train_pair(lambda: GPT(CFG), batches, opts("nvme", "nvme", tmp_path), accum=2)

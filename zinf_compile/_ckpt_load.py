@@ -24,8 +24,6 @@ from ._ckpt_layout import LoadPlanner, Target, owned, unit_key
 from ._ckpt_state import buffers_of, named_params, unwrap
 from .config import Config
 
-_TIERS = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
-
 
 def partition_now(model: torch.nn.Module, options: Any) -> None:
     """Partition a zinf-compiled model that was not called yet, as its first call would."""
@@ -43,9 +41,7 @@ def partition_now(model: torch.nn.Module, options: Any) -> None:
     if len(devices) != 1:
         raise ValueError(f"zinf.load: parameters live on several devices {sorted(map(str, devices))}; move the "
                          "model to one device before compiling")
-    placement = zinf_runtime.Placement(
-        tier=_TIERS[cfg.offload_params], compute_device=devices.pop(), group=cfg.resolved_group(),
-        optim_tier=_TIERS[cfg.offload_optimizer], swap=cfg.swap_config(), sub_group_bytes=cfg.optimizer_sub_group_bytes)
+    placement = cfg.placement(devices.pop())
     with zinf_runtime.compiling(options, device_memory_budget=cfg.device_memory_budget,
                                 malloc_mmap_threshold=cfg.malloc_mmap_threshold):
         zinf_runtime.partition(todo, placement, sync_from_rank0=False)  # every value is overwritten next

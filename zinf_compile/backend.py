@@ -161,12 +161,7 @@ def _partition_inputs(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: 
         raise ValueError(f"zinf: parameters of one graph live on several devices {sorted(map(str, devices))}; "
                          "move the model to one device before compiling")
     device = devices.pop()
-    tier = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
-    placement = zinf_runtime.Placement(
-        tier=tier[cfg.offload_params], compute_device=device, group=cfg.resolved_group(),
-        optim_tier=tier[cfg.offload_optimizer], swap=cfg.swap_config(), sub_group_bytes=cfg.optimizer_sub_group_bytes,
-        partition=cfg.partition,
-    )
+    placement = cfg.placement(device)
     names = [_param_name(phs[i]) if i < len(phs) else f"input{i}" for i, _ in found]
     uids = zinf_runtime.partition([(n, t) for n, (_, t) in zip(names, found)], placement, cfg.sync_module_states,
                                   retype=False)  # retyped once the compile succeeded (compile_graph)

@@ -27,6 +27,9 @@ _CHOICES: dict[str, tuple] = {
 DEFAULT_BUCKET_BYTES = 8 << 20
 
 
+_TIER_OF = {"none": "device", "cpu": "cpu", "nvme": "nvme"}  # option value -> the runtime's tier
+
+
 @dataclass(frozen=True)
 class Config:
     """Settings of one compile. Fields:
@@ -54,6 +57,11 @@ class Config:
         over the old. Either way a failed write leaves the key's current version intact.
     optimizer_sub_group_bytes: state bytes (16 per parameter: master, gradient, two moments) an
         NVMe optimizer steps at a time; bounds its host memory.
+    nvme_min_shard_bytes: a parameter whose fp32 shard (1/dp of it) is smaller than this keeps its
+        NVMe-tier states (parameter copy, master, gradient, moments) in CPU memory instead: each state
+        on NVMe is a file and a request per step, whose fixed cost does not shrink with its size, and
+        norm weights and biases are most of a transformer's parameters by count but a tiny share of
+        its bytes. 0 puts every parameter on NVMe.
     mixed_precision: ``None`` trains in the model's dtype; ``"bf16"``/``"fp16"`` run the model as under
         ``torch.autocast`` with that dtype, all-gathering parameters in it where every use is a cast,
         while master weights, gradient shards and optimizer state stay fp32.
@@ -129,6 +137,7 @@ class Config:
     nvme_checksum: bool = True
     nvme_reuse_files: bool = True
     optimizer_sub_group_bytes: int = 256 << 20
+    nvme_min_shard_bytes: int = 0
     mixed_precision: Optional[str] = None
     dump_dir: Optional[str] = field(default_factory=lambda: os.environ.get("ZINF_DUMP_DIR") or None)
     process_group: Optional[Any] = None
@@ -179,13 +188,14 @@ class Config:
         if not isinstance(self.optimizer_sub_group_bytes, int) or self.optimizer_sub_group_bytes <= 0:
             raise ValueError(f"zinf option 'optimizer_sub_group_bytes': invalid value "
                              f"{self.optimizer_sub_group_bytes!r}; expected a positive int")
-        for key, minimum in (("tile_threshold_bytes", 0), ("tiles", 1), ("device_memory_budget", 1)):
+        for key, minimum in (("tile_threshold_bytes", 0), ("nvme_min_shard_bytes", 0), ("tiles", 1),
+                             ("device_memory_budget", 1)):
             value = getattr(self, key)
-            if value is None and key != "tile_threshold_bytes":
+            if value is None and key not in ("tile_threshold_bytes", "nvme_min_shard_bytes"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"zinf option {key!r}: invalid value {value!r}; expected an int >= {minimum}"
-                                 + ("" if key == "tile_threshold_bytes" else " or None"))
+                                 + ("" if key in ("tile_threshold_bytes", "nvme_min_shard_bytes") else " or None"))
         for key, n in (("prefetch_depths", 3), ("reduce_depths", 2)):
             value = getattr(self, key)
             if (not isinstance(value, (tuple, list)) or len(value) != n
@@ -239,6 +249,17 @@ class Config:
             raise ValueError(f"zinf option 'nvme_path': {path!r} is not writable; fix its permissions or "
                              "choose another directory")
         self.swap_config()  # validates the swap settings, naming the bad one
+
+    def placement(self, device: torch.device, context: Optional[Any] = None) -> Any:
+        """The runtime's ``Placement`` for parameters computed on ``device`` (one place for the backend,
+        ``zinf_compile.init`` and checkpoint loading, so a model's graphs agree on it)."""
+        import zinf_runtime
+
+        return zinf_runtime.Placement(
+            tier=_TIER_OF[self.offload_params], compute_device=device, group=self.resolved_group(),
+            optim_tier=_TIER_OF[self.offload_optimizer], swap=self.swap_config(),
+            sub_group_bytes=self.optimizer_sub_group_bytes, partition=self.partition,
+            nvme_min_bytes=self.nvme_min_shard_bytes, context=context)
 
     def swap_config(self) -> Any:
         """The runtime's swap settings (None without an NVMe tier)."""

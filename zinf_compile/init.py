@@ -56,7 +56,6 @@ from zinf_runtime.context import RuntimeContext
 from . import _torch_compat
 from .config import Config
 
-_TIERS = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
 
 # torch calls that read only a tensor's metadata: no need to gather a partitioned parameter for them
 _METADATA = {
@@ -147,10 +146,7 @@ class ZinfInit:
         self.dtype = dtype
         self.context = RuntimeContext(name="zinf.init model")
         cfg = self.config
-        self.placement = zinf_runtime.Placement(
-            tier=_TIERS[cfg.offload_params], compute_device=self.device, group=cfg.resolved_group(),
-            optim_tier=_TIERS[cfg.offload_optimizer], swap=cfg.swap_config(),
-            sub_group_bytes=cfg.optimizer_sub_group_bytes, context=self.context, partition=cfg.partition)
+        self.placement = cfg.placement(self.device, context=self.context)
         self.progress = progress
         self._stack: List[_Frame] = []
         self._registry: Dict[int, torch.nn.Parameter] = {}

@@ -377,8 +377,8 @@ class _Builder:
                        pos: Dict[torch.fx.Node, int], carried_from: Optional[int] = None) -> None:
         tiers = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
         self.reuse_files = rec.config.nvme_reuse_files
-        tier = tiers[rec.config.offload_params]  # the parameter copy that fetches read
-        otier = tiers[rec.config.offload_optimizer]  # fp32 master, gradient shard, optimizer state
+        cfg_tier = tiers[rec.config.offload_params]  # the parameter copy that fetches read
+        cfg_otier = tiers[rec.config.offload_optimizer]  # fp32 master, gradient shard, optimizer state
         for n in nodes:
             z = n.meta.get("zinf") or {}
             if n.op == "call_function" and n.target in (GATHER_BUCKET, REDUCE_BUCKET, GATHER, ALL_GATHER, REDUCE,
@@ -388,7 +388,7 @@ class _Builder:
                 for g, u, name in zip(n.args[0], n.args[2], z.get("params") or [None] * len(n.args[2])):
                     hb = _handle(u)
                     self._grad_intervals(stage, n, g, u, name, hb, hb.shard_numel if hb is not None else None,
-                                         otier, pos)
+                                         _tiers(hb, cfg_tier, cfg_otier)[1], pos)
                 continue
             if n.op != "call_function" or n.target not in (FETCH_SHARD, WAIT_UPLOAD, REDUCE_GRAD, REDUCE):
                 continue
@@ -399,6 +399,7 @@ class _Builder:
             uid = args[1] if fetch else args[2]
             param = z.get("param")
             h = _handle(uid)
+            tier, otier = _tiers(h, cfg_tier, cfg_otier)
             shard_numel = h.shard_numel if h is not None else None
             read_at = pos[n]
             if n.target is WAIT_UPLOAD:  # the NVMe read buffer is live from the read's start
@@ -610,6 +611,15 @@ def _input_symbols(records: Sequence[CompileRecord], argnames: Sequence[str]) ->
                     if key not in found or _rank(name) < _rank(found[key]):
                         found[key] = name
     return found
+
+
+def _tiers(h: Optional[store.ParamHandle], tier: str, otier: str) -> tuple[str, str]:
+    """The parameter-copy and master tiers of ``h``: its own placement's, which differ from the
+    options' for a parameter under ``nvme_min_shard_bytes`` (kept in CPU memory); the options'
+    (``tier``, ``otier``) for an unknown uid."""
+    if h is None:
+        return tier, otier
+    return h.placement.tier, h.placement.master_tier
 
 
 def _handle(uid: int) -> Optional[store.ParamHandle]:
