@@ -15,7 +15,8 @@
 #   copy       (60 s)  Triton gather_cast / scatter_accumulate: bitwise checks, then GB/s against copy_,
 #                      torch.cat and a 1-shot H2D copy (benchmarks/gpu_copy_check.py, its table parsed)
 #   step_cpu  (120 s)  ~1.07e9-parameter GPT, params + optimizer offloaded to pinned CPU memory, bf16:
-#                      median step time and model TFLOP/s against the measured peak (gpu_step.py step)
+#                      median step time and model TFLOP/s against the measured peak (gpu_step.py step);
+#                      a trace of its last step (zinf option trace) goes to --keep-logs' archive
 #   step_nvme (210 s)  the same with params + optimizer on NVMe (files under $NVME_DIR, default /tmp),
 #                      2 timed steps (3 for step_cpu); both write their figures after every step.
 #                      On the H200 lent 2026-12-04 it took 146 s (31 s a step at the disk's 1.5 GB/s),
@@ -46,7 +47,7 @@ while [ $# -gt 0 ]; do
     --parts=*) ONLY="${1#--parts=}" ;;
     --keep-logs) KEEP="$2"; shift ;;
     --keep-logs=*) KEEP="${1#--keep-logs=}" ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) echo "gpu.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -141,7 +142,7 @@ part env 15 env_info
 part peak 30 "$PY" benchmarks/gpu_step.py peak $DRYFLAG --out "$PARTS/peak.json"
 part copy 60 "$PY" benchmarks/gpu_copy_check.py "${COPY_ARGS[@]}"
 part step_cpu 120 "$PY" benchmarks/gpu_step.py step --offload cpu $DRYFLAG --peak-json "$PARTS/peak.json" \
-  --out "$PARTS/step_cpu.json"
+  --trace "$PARTS/step_cpu.trace.json" --out "$PARTS/step_cpu.json"
 part step_nvme 210 "$PY" benchmarks/gpu_step.py step --offload nvme --steps 2 --nvme-path "$NVME_DIR" $DRYFLAG \
   --peak-json "$PARTS/peak.json" --out "$PARTS/step_nvme.json"
 part gpu_check 120 "$PY" benchmarks/gpu_check.py --out "$PARTS/gpu_check.json" "${GPU_CHECK_ARGS[@]}"

@@ -16,7 +16,8 @@ context 1024, batch 8) built under ``zinf_compile.init`` (each block partitioned
 tier as it is built, so the host never holds the whole model twice), compiled with
 ``backend="zinf"`` and ``mixed_precision="bf16"`` (bf16 compute, fp32 masters/gradients/Adam),
 params and optimizer both on ``--offload`` (cpu: pinned host memory; nvme: files under
-``--nvme-path``), ``torch.optim.AdamW``. One warm-up step (compile), then ``--steps`` timed steps;
+``--nvme-path``), ``torch.optim.AdamW`` (``--adamw fused``: its one-pass kernel). One warm-up step (compile), then
+``--steps`` timed steps;
 the figure is their median. Model TFLOP/s = (6 N + 12 L h s) tokens / step time (the usual
 estimate: matmul FLOPs of forward + backward, attention scores included), against the peak.
 Also: tokens/s, first-step time, the device's peak allocated memory and the runtime's accounting
@@ -104,6 +105,8 @@ def step(args: argparse.Namespace) -> Dict[str, Any]:
     opts: Dict[str, Any] = {"mixed_precision": "bf16", "compiler": args.compiler}
     if tmp:
         opts["nvme_path"] = tmp
+    if args.trace:
+        opts["trace"] = os.path.abspath(args.trace)
     pk = None
     if args.peak_json and os.path.exists(args.peak_json):
         with open(args.peak_json) as f:
@@ -119,6 +122,7 @@ def step(args: argparse.Namespace) -> Dict[str, Any]:
         "device": _name(dev), "offload": args.offload, "compiler": args.compiler, "mixed_precision": "bf16",
         "params": n, "layers": cfg.layers, "hidden": cfg.hidden, "vocab": cfg.vocab, "seq": cfg.seq,
         "batch": batch, "build_s": time.perf_counter() - t0, "flops_per_step": flops, "dry_run": args.dry_run,
+        "adamw": args.adamw, "trace": opts.get("trace"),
         "losses": [], "step_s": [],
     }
 
@@ -146,7 +150,8 @@ def step(args: argparse.Namespace) -> Dict[str, Any]:
             json.dump(res, f, indent=1, default=str)
 
     cmodel = torch.compile(model, backend="zinf", options=zi.options)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    fused = {"fused": True} if args.adamw == "fused" else {}  # torch's one-pass kernel (CPU too)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, **fused)
     g = torch.Generator().manual_seed(0)
     times: List[float] = []
     try:
@@ -230,6 +235,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--compiler", choices=["eager", "inductor"], default="eager",
                     help="step: zinf's code generator between its ops (default eager: no Inductor compile time "
                          "inside gpu.sh's 10 minutes; the matmuls are cuBLAS either way)")
+    ap.add_argument("--adamw", choices=["default", "fused"], default="default",
+                    help="step: torch.optim.AdamW's implementation on the host shards: torch's default (on CPU "
+                         "tensors, one kernel per operation and tensor) or fused=True (one pass; HF Trainer's "
+                         "default optimizer, adamw_torch_fused). 2026-12-04's H200 figures used the default")
+    ap.add_argument("--trace", default=None, help="step: zinf option trace=PATH (a Chrome trace of the last step)")
     ap.add_argument("--peak-json", default=None, help="step: the peak part's JSON, to report the fraction of peak")
     ap.add_argument("--dir", default=None, help="merge: gpu.sh's parts folder")
     args = ap.parse_args(argv)

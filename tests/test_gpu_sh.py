@@ -60,8 +60,9 @@ def test_gpu_sh_parts_runs_only_those_and_keeps_their_logs(tmp_path):
 @pytest.mark.slow
 def test_gpu_sh_dry_run_writes_every_part(tmp_path):
     out = tmp_path / "dry.json"
-    proc = subprocess.run(["bash", GPU_SH, "--dry-run", "--out", str(out)], capture_output=True, text=True,
-                          timeout=1500, env=dict(_env(), NVME_DIR=str(tmp_path)))
+    keep = tmp_path / "logs.tgz"
+    proc = subprocess.run(["bash", GPU_SH, "--dry-run", "--keep-logs", str(keep), "--out", str(out)],
+                          capture_output=True, text=True, timeout=1500, env=dict(_env(), NVME_DIR=str(tmp_path)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["dry_run"] is True and r["failed"] == []
@@ -78,6 +79,11 @@ def test_gpu_sh_dry_run_writes_every_part(tmp_path):
         assert s["offload"] == tier and s["mixed_precision"] == "bf16"
         assert len(s["step_s"]) == 1 and s["median_step_s"] > 0 and s["model_tflops"] > 0
         assert s["fraction_of_peak"] == s["model_tflops"] / peak["peak_tflops"]
+    import tarfile
+
+    with tarfile.open(keep) as tar:  # step_cpu's trace of its last step comes back with the logs
+        trace = json.load(tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith("step_cpu.trace.json"))))
+    assert trace["traceEvents"]
         assert all(map(lambda v: v == v and 0 < v < 10, s["losses"]))  # finite, near ln 256
         assert (s["nvme"]["bytes_read"] > 0) == (tier == "nvme")
     checks = parts["gpu_check"]["result"]["checks"]
