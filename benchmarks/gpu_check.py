@@ -32,6 +32,12 @@ Checks, in order (``--only name,name`` picks some):
   roundings (2 * 2^-8 relative), parameters after 3 SGD steps to 2e-2.
 * ``inductor``: one cpu-offload run through Inductor on the device, against eager (rtol 1e-4:
   Inductor fuses and reorders reductions).
+* ``init_cpu``: a model built under ``zinf_compile.init`` on the device (partitioned as it is made)
+  against eager from the same values (the path that failed on torch 2.11, 2026-12-04).
+* ``overlap_opt_nvme``: ``overlap_optimizer_step=True`` on NVMe against eager (units stepped during
+  backward give the numbers of stepping after it); fails if no unit was stepped early.
+* ``dynamic_seq``: ``dynamic=True`` over 3 sequence lengths with parameters on NVMe: one graph, no
+  fallback, eager's numbers at each length.
 * ``nccl_1proc``: ``init_process_group("nccl")`` with one process (env ``MASTER_ADDR``, ``RANK``,
   ``WORLD_SIZE=1``), then in comm's strict mode: ``all_reduce_sum`` / ``broadcast`` /
   ``all_gather_to`` of CPU tensors (each must reach NCCL as a CUDA tensor and come back with the
@@ -109,18 +115,25 @@ def _full_grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def _train_pair(device: torch.device, small: bool, options: dict, *, steps: int = 3, accum: int = 1,
-                autocast: Optional[torch.dtype] = None, lr: float = 0.05, clip: Optional[float] = None) -> dict:
-    """Eager PyTorch and zinf on the same device, same model and data; SGD with momentum."""
+                autocast: Optional[torch.dtype] = None, lr: float = 0.05, clip: Optional[float] = None,
+                models: Optional[tuple] = None, dynamic: Optional[bool] = None,
+                lengths: Optional[List[int]] = None) -> dict:
+    """Eager PyTorch and zinf on the same device, same model and data; SGD with momentum.
+    ``models``: (cfg, ref, model) built by the caller (default: ``model`` a deep copy of ``ref``);
+    ``lengths``: batch ``i`` keeps its first ``lengths[i]`` tokens (with ``dynamic=True``)."""
     import zinf_compile
 
-    cfg, ref = _gpt(device, small)
-    model = copy.deepcopy(ref)
+    cfg, ref, model = models if models is not None else (*_gpt(device, small), None)
+    model = model if model is not None else copy.deepcopy(ref)
     ropt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9)
     zopt = zinf_compile.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    cm = torch.compile(model, backend="zinf", options=options)
+    cm = torch.compile(model, backend="zinf", options=options, dynamic=dynamic)
     ac = (lambda: torch.autocast(device.type, autocast)) if autocast is not None else contextlib.nullcontext
     rl, zl, grads, norms = [], [], None, []
-    for i, (x, y) in enumerate(_batches(cfg, steps * accum, device)):
+    batches = _batches(cfg, steps * accum, device)
+    if lengths is not None:
+        batches = [(x[:, :n].contiguous(), y[:, :n].contiguous()) for (x, y), n in zip(batches, lengths)]
+    for i, (x, y) in enumerate(batches):
         with ac():
             loss = ref(x, y)
         (loss / accum).backward()
@@ -139,7 +152,7 @@ def _train_pair(device: torch.device, small: bool, options: dict, *, steps: int 
             zopt.step(); zopt.zero_grad()
     full = zinf_compile.full_state_dict(model)
     return {"ref_losses": rl, "zinf_losses": zl, "ref_state": {k: v.detach() for k, v in ref.state_dict().items()},
-            "zinf_state": full, "grads": grads, "norms": norms, "model": model}
+            "zinf_state": full, "grads": grads, "norms": norms, "model": model, "optimizer": zopt}
 
 
 def _verdict_pair(res: dict, rtol: float, atol: float, grad_rtol: Optional[float]) -> dict:
@@ -289,6 +302,58 @@ def check_inductor(dev: torch.device, small: bool, tmp: str) -> dict:
     return _verdict_pair(res, rtol=1e-4, atol=1e-5, grad_rtol=1e-4)
 
 
+def check_init_cpu(dev: torch.device, small: bool, tmp: str) -> dict:
+    """A model built under ``zinf_compile.init`` (each parameter partitioned as it is made, never whole
+    on the device) against eager started from its values. The path of ``benchmarks/gpu_step.py``,
+    which failed on the first lent GPU (torch 2.11) while every other check passed."""
+    import zinf_compile
+    from zinf_compile.models import GPT
+
+    cfg, ref = _gpt(dev, small)
+    torch.manual_seed(1)
+    opts = {"compiler": "eager", "offload_params": "cpu", "offload_optimizer": "cpu"}
+    with zinf_compile.init(device=dev, **opts) as zi:
+        model = GPT(cfg)
+    ref.load_state_dict(zinf_compile.full_state_dict(model))  # the values init made, whatever its RNG
+    res = _train_pair(dev, small, zi.options, models=(cfg, ref, model))
+    return _verdict_pair(res, rtol=1e-5, atol=1e-6, grad_rtol=1e-5)
+
+
+def check_overlap_opt_nvme(dev: torch.device, small: bool, tmp: str) -> dict:
+    """``overlap_optimizer_step=True`` with params and optimizer on NVMe: units stepped in a
+    background thread during backward must give the numbers of stepping after backward (eager's)."""
+    from zinf_runtime import optim_overlap
+
+    opts = {"compiler": "eager", "offload_params": "nvme", "offload_optimizer": "nvme", "nvme_path": tmp,
+            "optimizer_sub_group_bytes": 1 << 20, "overlap_optimizer_step": True}
+    res = _train_pair(dev, small, opts)
+    v = _verdict_pair(res, rtol=1e-5, atol=1e-6, grad_rtol=1e-5)
+    ov = optim_overlap.of(res["optimizer"])
+    v["overlap_stats"] = dict(ov.stats) if ov is not None else {}
+    if not v["overlap_stats"].get("committed"):
+        v["status"], v["error"] = "fail", "no unit was stepped during backward (nothing to compare)"
+    return v
+
+
+def check_dynamic_seq(dev: torch.device, small: bool, tmp: str) -> dict:
+    """``dynamic=True`` over 3 sequence lengths, parameters on NVMe: one graph for every length, and
+    eager's numbers at each."""
+    import zinf_compile
+
+    opts = {"compiler": "eager", "offload_params": "nvme", "offload_optimizer": "cpu", "nvme_path": tmp}
+    cfg, _ = _gpt(dev, small)
+    lengths = [cfg.seq // 2, cfg.seq * 3 // 4, cfg.seq]
+    n0 = len(zinf_compile.compile_records())
+    res = _train_pair(dev, small, opts, dynamic=True, lengths=lengths)
+    v = _verdict_pair(res, rtol=1e-5, atol=1e-6, grad_rtol=1e-5)
+    recs = zinf_compile.compile_records()[n0:]
+    v["lengths"], v["graphs_compiled"] = lengths, len(recs)
+    v["fallbacks"] = sum(bool(r.counters.get("gather_all_fallback")) for r in recs)
+    if len(recs) > 2 or v["fallbacks"]:  # Dynamo may restart the first compile once (a float specialized)
+        v["status"] = "fail"
+    return v
+
+
 def check_nccl_1proc(dev: torch.device, small: bool, tmp: str) -> dict:
     import torch.distributed as dist
 
@@ -373,6 +438,9 @@ CHECKS: Dict[str, Callable[[torch.device, bool, str], dict]] = {
     "accumulation_4": check_accumulation_4,
     "bf16": check_bf16,
     "inductor": check_inductor,
+    "init_cpu": check_init_cpu,
+    "overlap_opt_nvme": check_overlap_opt_nvme,
+    "dynamic_seq": check_dynamic_seq,
     "nccl_1proc": check_nccl_1proc,
 }
 

@@ -253,7 +253,7 @@ def test_gpu_check_imports_and_answers_help():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert {"parity_cpu_cpu", "parity_nvme_nvme", "accumulation_4", "bf16", "nccl_1proc", "triton_kernels",
-            "fence_ordering"} <= set(mod.CHECKS)
+            "fence_ordering", "init_cpu", "overlap_opt_nvme", "dynamic_seq"} <= set(mod.CHECKS)
     proc = subprocess.run([sys.executable, GPU_CHECK, "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "--dry-run" in proc.stdout and "--out" in proc.stdout
 
@@ -262,11 +262,13 @@ def test_gpu_check_imports_and_answers_help():
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     out = tmp_path / "verdicts.json"
     proc = subprocess.run([sys.executable, GPU_CHECK, "--dry-run", "--out", str(out),
-                           "--only", "env,triton_kernels,fence_ordering,parity_cpu_cpu,nccl_1proc"],
+                           "--only", "env,triton_kernels,fence_ordering,parity_cpu_cpu,nccl_1proc,init_cpu,"
+                           "overlap_opt_nvme,dynamic_seq"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     status = {k: v["status"] for k, v in report["checks"].items()}
     assert status == {"env": "pass", "triton_kernels": "skip", "fence_ordering": "pass", "parity_cpu_cpu": "pass",
-                      "nccl_1proc": "pass"}, report
+                      "nccl_1proc": "pass", "init_cpu": "pass", "overlap_opt_nvme": "pass",
+                      "dynamic_seq": "pass"}, report
     assert report["checks"]["fence_ordering"]["recorded"] == report["checks"]["fence_ordering"]["waited"] > 0
