@@ -79,13 +79,13 @@ def test_gpu_sh_dry_run_writes_every_part(tmp_path):
         assert s["offload"] == tier and s["mixed_precision"] == "bf16"
         assert len(s["step_s"]) == 1 and s["median_step_s"] > 0 and s["model_tflops"] > 0
         assert s["fraction_of_peak"] == s["model_tflops"] / peak["peak_tflops"]
+        assert all(map(lambda v: v == v and 0 < v < 10, s["losses"]))  # finite, near ln 256
+        assert (s["nvme"]["bytes_read"] > 0) == (tier == "nvme")
     import tarfile
 
     with tarfile.open(keep) as tar:  # step_cpu's trace of its last step comes back with the logs
         trace = json.load(tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith("step_cpu.trace.json"))))
     assert trace["traceEvents"]
-        assert all(map(lambda v: v == v and 0 < v < 10, s["losses"]))  # finite, near ln 256
-        assert (s["nvme"]["bytes_read"] > 0) == (tier == "nvme")
     checks = parts["gpu_check"]["result"]["checks"]
     assert {k: v["status"] for k, v in checks.items()} == {"env": "pass", "fence_ordering": "pass"}
     assert not [d for d in os.listdir(tmp_path) if d.startswith("zinf-gpu-step-")]  # swap folder removed
