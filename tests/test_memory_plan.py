@@ -253,6 +253,17 @@ def _step_peak_plan(plan: MemoryPlan) -> int:
     return peak
 
 
+def _fresh_model(tmp_path) -> Tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A freshly seeded GPT and a batch, with empty ``plan`` and ``run`` swap folders under ``tmp_path``
+    (the plan's compile and the measured run each partition into their own)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    (tmp_path / "plan").mkdir()
+    (tmp_path / "run").mkdir()
+    return (model, *make_batch(CFG, 2, seed=0))
+
+
 def _swap_files(folder: str, timeout_s: float = 60.0) -> dict:
     """Sizes of the swap engine's files under ``folder`` once no write is in flight (no ``*.tmp`` left)."""
     import time
@@ -279,12 +290,7 @@ def test_plan_matches_the_runtime_under_inductor(tmp_path):
     machine a CPU-offloaded fetch at dp 1 reads its shard in place and gathers nothing)."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    x, y = make_batch(CFG, 2, seed=0)
-    (tmp_path / "plan").mkdir()
-    (tmp_path / "run").mkdir()
+    model, x, y = _fresh_model(tmp_path)
     opts = {"offload_params": "nvme", "offload_optimizer": "cpu"}
     plan = zinf_compile.memory_plan(model, (x, y), compiler="inductor", nvme_path=str(tmp_path / "plan"), **opts)
     before = _shard_bytes()
@@ -313,12 +319,7 @@ def test_nvme_plan_counts_files_on_nvme_and_host_buffers_on_cpu(tmp_path):
     """offload nvme/nvme: every shard is a file, so its bytes are on the nvme tier (as the runtime
     accounts them; with the 4 KiB padding, as the swap folder holds them), and only the host buffers
     of the IO and Adam's in-memory step counters are on cpu."""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    x, y = make_batch(CFG, 2, seed=0)
-    (tmp_path / "plan").mkdir()
-    (tmp_path / "run").mkdir()
+    model, x, y = _fresh_model(tmp_path)
     opts = {"offload_params": "nvme", "offload_optimizer": "nvme", "nvme_path": str(tmp_path / "run")}
     plan = zinf_compile.memory_plan(model, (x, y), optimizer="adamw", **{**opts, "nvme_path": str(tmp_path / "plan")})
     params = list(model.parameters())
@@ -365,12 +366,7 @@ def test_small_shards_stay_in_cpu_memory_in_plan_and_on_disk(tmp_path):
     """``nvme_min_shard_bytes``: parameters whose fp32 shard is under it (norms, biases) keep their
     states in CPU memory, the others in files; the plan says so and the swap folder holds exactly
     the big ones' files (two per key: ``nvme_reuse_files``' spare)."""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    x, y = make_batch(CFG, 2, seed=0)
-    (tmp_path / "plan").mkdir()
-    (tmp_path / "run").mkdir()
+    model, x, y = _fresh_model(tmp_path)
     opts = {"offload_params": "nvme", "offload_optimizer": "nvme", "nvme_path": str(tmp_path / "run"),
             "nvme_min_shard_bytes": 1024}
     plan = zinf_compile.memory_plan(model, (x, y), optimizer="adamw", **{**opts, "nvme_path": str(tmp_path / "plan")})
