@@ -55,7 +55,7 @@ class Placement:
     swap: Optional[SwapConfig] = None
     sub_group_bytes: int = 256 << 20  # NVMe optimizer: bytes of states stepped at a time
     partition: str = "bandwidth"  # "bandwidth": 1/dp per rank; "broadcast": one owner (runtime/broadcast.py)
-    nvme_min_bytes: int = 0  # a parameter whose fp32 shard is smaller stays in CPU memory (``for_shard``)
+    nvme_min_bytes: int = 0  # a parameter whose fp32 shard is smaller stays in CPU memory (``for_numel``)
     context: Optional[RuntimeContext] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -77,11 +77,12 @@ class Placement:
         scheme, so every rank decides alike) is under ``nvme_min_bytes``.
 
         Why: each NVMe state of a parameter is its own file and request (master, gradient, moments:
-        about 7 requests a step), and a request's fixed cost (open, queue hand-off, thread wake-up)
-        does not shrink with its size. Norm weights and biases are most of a transformer's
-        parameters by count and a tiny share of its bytes; kept in host memory they cost kilobytes of
-        RAM and save most of the requests (DeepSpeed keeps such parameters out of its swapping too,
-        ``param_persistence_threshold``).
+        about 7 requests a step), whose fixed cost (open, queue hand-off, thread wake-up) does not
+        shrink with its size; a parameter kept in host memory skips them for 16 bytes of RAM per
+        element (DeepSpeed keeps small parameters out of its swapping too). A RAM-for-speed trade
+        the user sets (option ``nvme_min_shard_bytes``, off by default): on the 2-core VM norms and
+        biases alone gained nothing, a threshold that also kept the attention weights gained 7-21%
+        (README, Options).
         """
         if not self.nvme_min_bytes or "nvme" not in (self.tier, self.master_tier):
             return self

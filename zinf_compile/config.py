@@ -58,10 +58,10 @@ class Config:
     optimizer_sub_group_bytes: state bytes (16 per parameter: master, gradient, two moments) an
         NVMe optimizer steps at a time; bounds its host memory.
     nvme_min_shard_bytes: a parameter whose fp32 shard (1/dp of it) is smaller than this keeps its
-        NVMe-tier states (parameter copy, master, gradient, moments) in CPU memory instead: each state
-        on NVMe is a file and a request per step, whose fixed cost does not shrink with its size, and
-        norm weights and biases are most of a transformer's parameters by count but a tiny share of
-        its bytes. 0 puts every parameter on NVMe.
+        NVMe-tier states (parameter copy, master, gradient, moments) in CPU memory instead, 16 bytes
+        of RAM per element: each state on NVMe is a file and a request per step, whose fixed cost
+        does not shrink with its size. 0 (the default) puts every parameter on NVMe; see the README's
+        Options table for what it gained here.
     mixed_precision: ``None`` trains in the model's dtype; ``"bf16"``/``"fp16"`` run the model as under
         ``torch.autocast`` with that dtype, all-gathering parameters in it where every use is a cast,
         while master weights, gradient shards and optimizer state stay fp32.
