@@ -41,7 +41,10 @@ def _data_free_calls() -> frozenset:
                T.element_size, T.untyped_storage, T.__hash__, T.requires_grad_, T.is_floating_point,
                T.is_complex, T.get_device, T.data_ptr, T.is_pinned, T.__reduce_ex__, T.__deepcopy__,
                T.__setstate__, T._is_view, T.retain_grad, T.register_hook, T.register_post_accumulate_grad_hook,
-               T.dim_order, T.is_shared, T.is_signed, T.is_inference, torch._has_compatible_shallow_copy_type)
+               T.dim_order, T.is_shared, T.is_signed, T.is_inference, torch._has_compatible_shallow_copy_type,
+               T.is_conj, T.is_neg, T._is_zerotensor,
+               # the function forms (Adagrad's constructor asks ``torch.is_complex(p)``)
+               torch.is_complex, torch.is_floating_point, torch.is_conj, torch.is_neg, torch.numel)
     props = ("shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "ndim", "layout",
              "is_cuda", "is_cpu", "is_meta", "is_mps", "is_xpu", "_version", "is_sparse", "is_quantized",
              "is_nested", "_base", "names", "itemsize", "nbytes", "_grad", "_grad_fn", "_backward_hooks",
@@ -173,6 +176,17 @@ def _move(check: Callable[[torch.Tensor, tuple, dict], bool]) -> Callable[..., A
     return serve
 
 
+def _like(factory: Callable[..., torch.Tensor]) -> Callable[..., Any]:
+    """``torch.zeros_like(p)`` and the other ``*_like`` factories read only ``p``'s metadata, so they
+    give what they give for an ``nn.Parameter``: a new tensor of ``p``'s full shape, dtype and device
+    (an optimizer that makes its state in its constructor, such as Adagrad, does this; the state is
+    cut to this rank's shard at the first step, ``ShardedOptimizerMixin._place_state``)."""
+    def serve(p: torch.Tensor, args: tuple, kwargs: dict, caller: Any) -> Any:
+        stand_in = torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device=p.device)
+        return factory(stand_in, *args, **kwargs)
+    return serve
+
+
 def _keeps_format(kwargs: dict) -> bool:
     return kwargs.get("memory_format", torch.preserve_format) is torch.preserve_format
 
@@ -194,6 +208,7 @@ _SERVED: Dict[Any, Callable[..., Any]] = {
     T.double: _move(_cast_to(torch.float64)),
     T.half: _move(_cast_to(torch.float16)),
     T.bfloat16: _move(_cast_to(torch.bfloat16)),
+    **{f: _like(f) for f in (torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like)},
 }
 del T
 

@@ -65,6 +65,20 @@ def _refuse(cls: type, why: str) -> RuntimeError:
         "elementwise optimizer (AdamW, Adam, SGD, Adagrad, RMSprop, ...) for partitioned parameters.")
 
 
+def _constructor_state(cls: type, defaults: dict, params: list) -> defaultdict:
+    """The state ``cls``'s constructor makes for ``params`` (empty for most optimizers). Why: some
+    create it there and expect it in ``step`` (torch 2.11's Adagrad makes ``sum`` only in
+    ``__init__``), so the elementwise probe must start as a real instance would. Built with the
+    plain torch class (not the twin) from the optimizer's ``defaults``; a class whose constructor
+    does not take its defaults back gets an empty state, as before."""
+    plain = next((c for c in cls.__mro__ if issubclass(c, torch.optim.Optimizer)
+                  and not issubclass(c, ShardedOptimizerMixin)), cls)
+    try:
+        return plain(params, **defaults).state
+    except Exception:  # noqa: BLE001 - a constructor we cannot replay: the lazy-state case
+        return defaultdict(dict)
+
+
 def check_elementwise(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     """Refuse, by behaviour, an optimizer whose update of a tensor is not elementwise (see module doc)."""
     cls = type(optimizer)
@@ -90,7 +104,7 @@ def check_elementwise(optimizer: torch.optim.Optimizer, device: torch.device) ->
             params = [torch.nn.Parameter(c.clone().to(device)) for c in
                       ([w] if parts == 1 else list(w.reshape(-1).chunk(parts)))]
             probe = copy.copy(optimizer)
-            probe.state = defaultdict(dict)
+            probe.state = _constructor_state(cls, optimizer.defaults, params)
             probe.param_groups = [dict(hp, params=params)]
             for g in grads:
                 pieces = [g] if parts == 1 else list(g.reshape(-1).chunk(parts))

@@ -73,6 +73,27 @@ def test_torch_optimizer_unchanged(name, tier, tmp_path):
     assert_params_close(ref, model)
 
 
+@pytest.mark.parametrize("name", ["Adagrad", "AdamW"])
+def test_optimizer_built_over_partitioned_parameters(name):
+    """An optimizer made after the parameters are partitioned (a model built under
+    ``zinf_compile.init``): Adagrad's constructor asks ``torch.is_complex(p)`` and makes its state with
+    ``torch.full_like(p)``; both read only metadata, so they work as on an ``nn.Parameter`` (the
+    full-shaped state is cut to the shard at the first step) and the training is eager's."""
+    cls = getattr(torch.optim, name)
+    with zinf_compile.init(offload_params="cpu", offload_optimizer="cpu", compiler="eager") as zi:
+        model = GPT(CFG)
+    ref = GPT(CFG)
+    ref.load_state_dict(zinf_compile.full_state_dict(model))
+    w = model.blocks[0].fc.weight
+    assert torch.is_complex(w) is False and torch.numel(w) == w.numel()
+    z = torch.full_like(w, 0.5)
+    assert type(z) is torch.Tensor and z.shape == w.shape and bool((z == 0.5).all())
+    make = lambda m: cls(m.parameters(), lr=1e-2, **OPTIMIZERS[name])  # noqa: E731
+    cmodel = torch.compile(model, backend="zinf", options=zi.options)
+    train(ref, model, cmodel, make(ref), make(model))
+    assert_params_close(ref, model)
+
+
 def test_nanogpt_style_configure_optimizers_loop():
     # two param groups (decay on 2-D tensors only), the optimizer built by the model's own code, gradient
     # accumulation, clip_grad_norm_ and zero_grad(set_to_none=True): the loop of a single-file GPT script
