@@ -11,7 +11,8 @@ or run ever reads it back.
 Observability: the ``zinf_compile`` and ``zinf_runtime`` loggers are registered with torch's logging
 under the alias ``zinf`` (``torch._logging.set_logs(modules={"zinf": logging.DEBUG})``). From the
 environment ``TORCH_LOGS="+zinf_compile"`` always works; ``TORCH_LOGS="+zinf"`` needs the alias
-registered before ``import torch`` parses the variable (a ``torch.backends`` entry point). Each pass's
+registered before ``import torch`` parses the variable (a ``torch.backends`` entry point), which torch
+2.13 does and 2.11 does not (it parses ``TORCH_LOGS`` first and rejects ``+zinf`` at import). Each pass's
 time is logged at DEBUG, a per-stage summary at INFO::
 
     V... pipeline.py:...] [0/0] zinf: forward pass insert_release took 0.5 ms
