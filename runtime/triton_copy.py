@@ -191,8 +191,8 @@ if triton is not None:
         else:
             x = raw.to(tl.float32)
         acc = tl.load(dst + offs, mask=mask, other=0.0)
-        # Explicit single-rounding FMA: torch's CPU add_(alpha=) uses fmadd too, and the
-        # interpreter implements tl.fma exactly, so results match bitwise.
+        # Explicit single-rounding FMA: torch's CPU add_(alpha=) uses fmadd too, and Triton 3.9's
+        # interpreter implements tl.fma exactly, so results match bitwise (3.6's rounds twice).
         tl.store(dst + offs, tl.fma(x, scale, acc), mask=mask)
 
 
