@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Iterator
 
 import torch
 
-__all__ = ["PartitionedDataError", "DATA_FREE", "NOT_SERVED", "eager_call"]
+__all__ = ["PartitionedDataError", "DATA_FREE", "NOT_SERVED", "eager_call", "set_compile_session_probe"]
 
 
 class PartitionedDataError(RuntimeError):
@@ -96,12 +96,21 @@ def eager_call(cls: type, func: Any, args: tuple, kwargs: dict, caller: Any) -> 
     raise PartitionedDataError(_message(p, func))
 
 
-def _in_compile_session() -> bool:
-    """``_torch_compat.in_compile_session`` (private torch API lives there): reached only on calls
-    that would otherwise be refused, never on the hot path."""
-    from zinf_compile._torch_compat import in_compile_session
+# Whether a torch.compile compilation is under way (Dynamo or a backend calling torch on a parameter).
+# torch.compiler.is_compiling() says so for the whole session on torch 2.13 but only inside traced code
+# on 2.11; zinf_compile installs ``_torch_compat.in_compile_session``, which covers both (private torch
+# API lives there, and the runtime never imports the compiler). Asked only on calls that would otherwise
+# be refused, never on the hot path.
+_compile_session_probe: Callable[[], bool] = torch.compiler.is_compiling
 
-    return in_compile_session()
+
+def set_compile_session_probe(fn: Callable[[], bool]) -> None:
+    global _compile_session_probe
+    _compile_session_probe = fn
+
+
+def _in_compile_session() -> bool:
+    return _compile_session_probe()
 
 
 # -- served calls ---------------------------------------------------------------------------------

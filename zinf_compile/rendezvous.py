@@ -30,12 +30,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 import zinf_runtime
-from zinf_runtime import comm
+from zinf_runtime import comm, eager_access
 
 from . import _torch_compat
 from .pipeline import ParamInfo
 
 comm.set_store_provider(_torch_compat.default_store)  # where a failed rank posts its error
+eager_access.set_compile_session_probe(_torch_compat.in_compile_session)  # torch 2.11's is_compiling()
 
 _LOCAL_OPS = ("release", "grad_of")  # zinf ops that move nothing between ranks
 
