@@ -85,7 +85,7 @@ def eager_call(cls: type, func: Any, args: tuple, kwargs: dict, caller: Any) -> 
     for t in _partitioned_args(cls, args, kwargs):
         if not t._has_data() and not any(t is e for e in empty):
             empty.append(t)
-    if not empty or _in_compile_session():
+    if not empty or _compile_session_probe():
         return NOT_SERVED  # a compile session (Dynamo, a backend) works on metadata, as nn.Parameter
     p = empty[0]
     serve = _SERVED.get(func)
@@ -107,10 +107,6 @@ _compile_session_probe: Callable[[], bool] = torch.compiler.is_compiling
 def set_compile_session_probe(fn: Callable[[], bool]) -> None:
     global _compile_session_probe
     _compile_session_probe = fn
-
-
-def _in_compile_session() -> bool:
-    return _compile_session_probe()
 
 
 # -- served calls ---------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ _CHOICES: dict[str, tuple] = {
 DEFAULT_BUCKET_BYTES = 8 << 20
 
 
-_TIER_OF = {"none": "device", "cpu": "cpu", "nvme": "nvme"}  # option value -> the runtime's tier
+TIER_OF = {"none": "device", "cpu": "cpu", "nvme": "nvme"}  # option value -> the runtime's tier
 
 
 @dataclass(frozen=True)
@@ -188,14 +188,14 @@ class Config:
         if not isinstance(self.optimizer_sub_group_bytes, int) or self.optimizer_sub_group_bytes <= 0:
             raise ValueError(f"zinf option 'optimizer_sub_group_bytes': invalid value "
                              f"{self.optimizer_sub_group_bytes!r}; expected a positive int")
-        for key, minimum in (("tile_threshold_bytes", 0), ("nvme_min_shard_bytes", 0), ("tiles", 1),
-                             ("device_memory_budget", 1)):
+        for key, minimum, optional in (("tile_threshold_bytes", 0, False), ("nvme_min_shard_bytes", 0, False),
+                                       ("tiles", 1, True), ("device_memory_budget", 1, True)):
             value = getattr(self, key)
-            if value is None and key not in ("tile_threshold_bytes", "nvme_min_shard_bytes"):
+            if value is None and optional:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"zinf option {key!r}: invalid value {value!r}; expected an int >= {minimum}"
-                                 + ("" if key in ("tile_threshold_bytes", "nvme_min_shard_bytes") else " or None"))
+                                 + (" or None" if optional else ""))
         for key, n in (("prefetch_depths", 3), ("reduce_depths", 2)):
             value = getattr(self, key)
             if (not isinstance(value, (tuple, list)) or len(value) != n
@@ -256,8 +256,8 @@ class Config:
         import zinf_runtime
 
         return zinf_runtime.Placement(
-            tier=_TIER_OF[self.offload_params], compute_device=device, group=self.resolved_group(),
-            optim_tier=_TIER_OF[self.offload_optimizer], swap=self.swap_config(),
+            tier=TIER_OF[self.offload_params], compute_device=device, group=self.resolved_group(),
+            optim_tier=TIER_OF[self.offload_optimizer], swap=self.swap_config(),
             sub_group_bytes=self.optimizer_sub_group_bytes, partition=self.partition,
             nvme_min_bytes=self.nvme_min_shard_bytes, context=context)
 

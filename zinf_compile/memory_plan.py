@@ -101,7 +101,7 @@ from zinf_runtime import store
 from zinf_runtime.swap import ALIGN as SWAP_ALIGN
 
 from .analytic import human_bytes
-from .config import Config
+from .config import TIER_OF, Config
 from .ops import (ALL_GATHER, CARRY, FETCH_SHARD, GATHER, GATHER_BUCKET, KEEP, REDUCE, REDUCE_BUCKET, REDUCE_GRAD, RELEASE, TICKET_OPS,
                   WAIT_GATHER, WAIT_REDUCE, WAIT_UPLOAD)
 from .pipeline import CompileRecord, compile_records
@@ -375,10 +375,9 @@ class _Builder:
     # -- runtime nodes: shards, gradient shards, reduce copies ---------------------------------
     def _runtime_nodes(self, rec: CompileRecord, stage: str, nodes: List[torch.fx.Node],
                        pos: Dict[torch.fx.Node, int], carried_from: Optional[int] = None) -> None:
-        tiers = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
         self.reuse_files = rec.config.nvme_reuse_files
-        cfg_tier = tiers[rec.config.offload_params]  # the parameter copy that fetches read
-        cfg_otier = tiers[rec.config.offload_optimizer]  # fp32 master, gradient shard, optimizer state
+        cfg_tier = TIER_OF[rec.config.offload_params]  # the parameter copy that fetches read
+        cfg_otier = TIER_OF[rec.config.offload_optimizer]  # fp32 master, gradient shard, optimizer state
         for n in nodes:
             z = n.meta.get("zinf") or {}
             if n.op == "call_function" and n.target in (GATHER_BUCKET, REDUCE_BUCKET, GATHER, ALL_GATHER, REDUCE,

@@ -48,6 +48,7 @@ import networkx as nx
 import torch
 import torch.fx
 
+from ..config import TIER_OF
 from ..ops import ALL_GATHER, FETCH_SHARD, REDUCE_GRAD, is_zinf, tag
 from ..pipeline import CompileContext
 from ._graph import positions
@@ -130,14 +131,11 @@ def in_place_uids(ctx: CompileContext) -> Tuple[set, set]:
         if info.world != 1:
             continue
         uids = {info.uid} | {uid for uid, _, _ in info.parts}
-        if info.tier in local and _TIERS[ctx.cfg.offload_params] in local:  # tiles added here say "device"
+        if info.tier in local and TIER_OF[ctx.cfg.offload_params] in local:  # tiles added here say "device"
             fetch |= uids
-        if _TIERS[ctx.cfg.offload_optimizer] in local:
+        if TIER_OF[ctx.cfg.offload_optimizer] in local:
             grad |= uids
     return fetch, grad
-
-
-_TIERS = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
 
 
 def _local_tiers(ctx: CompileContext) -> Tuple[str, ...]:
@@ -155,7 +153,7 @@ def plan_schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
     still_fetch, still_grad = in_place_uids(ctx)
     local = _local_tiers(ctx)
     everything_still = bool(ctx.params) and all(i.world == 1 for i in ctx.params.values()) \
-        and _TIERS[ctx.cfg.offload_params] in local
+        and TIER_OF[ctx.cfg.offload_params] in local
     chains = []
     for c in find_chains(graph):
         if c.uid in still_fetch or (everything_still and c.uid not in {i.uid for i in ctx.params.values()}):
@@ -192,7 +190,7 @@ def plan_schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
     for n in graph.nodes:
         if not is_zinf(n, REDUCE_GRAD):
             continue
-        if n.args[2] in still_grad or (everything_still and _TIERS[ctx.cfg.offload_optimizer] in local):
+        if n.args[2] in still_grad or (everything_still and TIER_OF[ctx.cfg.offload_optimizer] in local):
             ctx.record.counters["reduce_in_place"] += 1
         else:
             reduces.append(n)
