@@ -67,6 +67,12 @@ def test_small_shards_kept_in_memory_train_like_eager(params, optim, tmp_path):
                                                       for t in (want[params], want[optim])), name
         else:
             assert (pl.tier, pl.master_tier) == (want[params], want[optim]), name
+    # the schedule goes by each parameter's own tiers: a parameter kept in memory is fetched in
+    # place (one fetch_shard, no start/wait pair) and its gradient added where it lives
+    rec = zinf_compile.compile_records()[-1]
+    pls = [zinf_runtime.handle_of(p).placement for p in run.model.parameters()]
+    assert rec.final("forward").code.count("zinf.fetch_shard") == sum(pl.tier != "nvme" for pl in pls)
+    assert rec.counters["reduce_in_place"] == sum(pl.master_tier != "nvme" for pl in pls)
 
 
 def test_placement_for_numel_rule():

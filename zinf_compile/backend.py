@@ -175,9 +175,9 @@ def _partition_inputs(gm: torch.fx.GraphModule, example_inputs: List[Any], cfg: 
         parts = tuple((u.uid, u.shard_numel, u.shape) for u in h.tiles) if h.tiles is not None else ()
         # the placement's tier (= the fetched copy's slot tier), the same on every rank: a non-owner's
         # empty shard under partition="broadcast" sits in a 0-byte CPU slot even on the NVMe tier
-        tier_of = h.placement.tier
+        # (each handle's own: nvme_min_shard_bytes keeps a small parameter's NVMe tiers in CPU memory)
         infos[i] = ParamInfo(i, uid, h.name, tuple(t.shape), t.dtype, h.shard_numel, t.requires_grad, h.world,
-                             parts, h.tile_dim, tier_of)
+                             parts, h.tile_dim, h.placement.tier, h.placement.master_tier)
     return infos
 
 

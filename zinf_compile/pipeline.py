@@ -97,6 +97,7 @@ class ParamInfo:
     parts: Tuple[Tuple[int, int, Tuple[int, ...]], ...] = ()
     tile_dim: int = 0
     tier: str = "device"  # where the fetched copy lives: "device", "cpu" or "nvme" (NVMe adds a read)
+    optim_tier: str = "device"  # where its fp32 gradient shard accumulates (the optimizer's tier)
 
 
 @dataclass

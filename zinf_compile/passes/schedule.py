@@ -48,7 +48,6 @@ import networkx as nx
 import torch
 import torch.fx
 
-from ..config import TIER_OF
 from ..ops import ALL_GATHER, FETCH_SHARD, REDUCE_GRAD, is_zinf, tag
 from ..pipeline import CompileContext
 from ._graph import positions
@@ -122,18 +121,18 @@ def in_place_uids(ctx: CompileContext) -> Tuple[set, set]:
     compute device is the CPU) is read where it lives (``ParamHandle.shard_in_place``) and, with the
     optimizer's tier in that memory too, its gradient is added into a slot there: there is no
     transfer to start early, and splitting the op into a start and a wait would only add a custom-op
-    call and cut Inductor's fusion at one more place. Tiles made by this compile (new uids) follow
-    the options."""
+    call and cut Inductor's fusion at one more place. Each parameter's own tiers decide, not the
+    options: ``nvme_min_shard_bytes`` keeps a small parameter's NVMe tiers in CPU memory."""
     local = _local_tiers(ctx)
     fetch: set = set()
     grad: set = set()
     for info in ctx.params.values():
         if info.world != 1:
             continue
-        uids = {info.uid} | {uid for uid, _, _ in info.parts}
-        if info.tier in local and TIER_OF[ctx.cfg.offload_params] in local:  # tiles added here say "device"
+        uids = {info.uid} | {uid for uid, _, _ in info.parts}  # tiles share their weight's placement
+        if info.tier in local:
             fetch |= uids
-        if TIER_OF[ctx.cfg.offload_optimizer] in local:
+        if info.optim_tier in local:
             grad |= uids
     return fetch, grad
 
@@ -151,12 +150,13 @@ def plan_schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
     graph = gm.graph
     pos = positions(graph)
     still_fetch, still_grad = in_place_uids(ctx)
-    local = _local_tiers(ctx)
-    everything_still = bool(ctx.params) and all(i.world == 1 for i in ctx.params.values()) \
-        and TIER_OF[ctx.cfg.offload_params] in local
+    # a uid no input names (none expected) is still when every parameter's is
+    known = {i.uid for i in ctx.params.values()}
+    all_fetch_still = bool(ctx.params) and known <= still_fetch
+    all_grad_still = bool(ctx.params) and known <= still_grad
     chains = []
     for c in find_chains(graph):
-        if c.uid in still_fetch or (everything_still and c.uid not in {i.uid for i in ctx.params.values()}):
+        if c.uid in still_fetch or (all_fetch_still and c.uid not in known):
             ctx.record.counters["fetch_in_place"] += 1
         else:
             chains.append(c)
@@ -190,7 +190,7 @@ def plan_schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
     for n in graph.nodes:
         if not is_zinf(n, REDUCE_GRAD):
             continue
-        if n.args[2] in still_grad or (everything_still and TIER_OF[ctx.cfg.offload_optimizer] in local):
+        if n.args[2] in still_grad or (all_grad_still and n.args[2] not in known):
             ctx.record.counters["reduce_in_place"] += 1
         else:
             reduces.append(n)

@@ -74,7 +74,8 @@ def tile_matmul_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
             ctx.extra_inputs.append(tensor)
             ctx.extra_specs.append((idx, th.uid))
             ctx.params[new_idx] = ParamInfo(new_idx, th.uid, th.name, tuple(th.shape), th.dtype,
-                                            th.shard_numel, th.requires_grad, th.world)
+                                            th.shard_numel, th.requires_grad, th.world,
+                                            tier=th.placement.tier, optim_tier=th.placement.master_tier)
             tile_nodes.append(node)
         for use in [u for u in _uses(w)]:
             _rewrite_use(graph, use, w, tile_nodes, plan["bounds"])
