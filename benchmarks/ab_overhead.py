@@ -114,16 +114,31 @@ times: Dict[str, List[float]] = {n: [] for n in variants}
 cpus: Dict[str, List[float]] = {n: [] for n in variants}
 losses: Dict[str, float] = {}
 for r in range(int(os.environ.get("ROUNDS", 8))):
-    for n, v in variants.items():
+    # odd rounds run the variants in reverse order (ABBA): a variant that always ran right after
+    # another would inherit its cache and allocator state, a bias the same in every round
+    for n, v in (variants.items() if r % 2 == 0 else reversed(list(variants.items()))):
         t, cpu, losses[n] = timed(v)
         times[n].append(t)
         cpus[n].append(cpu)
-base = statistics.median(times[next(iter(times))])
+first = next(iter(times))
+base = statistics.median(times[first])
+
+
+def quartiles(xs: List[float]) -> Tuple[float, float]:
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return q[0], q[2]
+
+
 if rank == 0:
     print(f"SIZE={size} BATCH={B} dp={world} threads/rank={torch.get_num_threads()} rounds={len(times[n])}")
     for n, ts in times.items():
         m = statistics.median(ts)
-        print(f"{n:24s} median {m:.3f}  ratio {m/base:.3f}  min {min(ts):.3f}  max {max(ts):.3f}  "
+        # the paired ratio: each round's step over the first variant's step of the same round, so
+        # drift between rounds cancels; its quartiles say how far one run's ratio can be trusted
+        paired = [t / b for t, b in zip(ts, times[first])]
+        lo, hi = quartiles(paired)
+        print(f"{n:24s} median {m:.3f}  ratio {m/base:.3f}  paired {statistics.median(paired):.3f} "
+              f"(IQR {lo:.3f}-{hi:.3f})  min {min(ts):.3f}  max {max(ts):.3f}  "
               f"cpu s {statistics.median(cpus[n]):.3f}  last loss {losses[n]:.4f}")
 if os.environ.get("PROF"):
     from torch.profiler import profile, ProfilerActivity
