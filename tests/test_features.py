@@ -346,6 +346,54 @@ def test_batchnorm_buffers_are_mutated_like_eager():
     assert torch.equal(run.model[1].running_var, run.ref[1].running_var)
 
 
+@pytest.mark.parity
+def test_cnn_with_batchnorm_and_dropout_trains_like_eager(tmp_path):
+    """A CNN: 4-D convolution weights, BatchNorm2d running statistics, and dropout that draws masks.
+    With eager graphs zinf runs eager's aten ops in eager's order and draws no random numbers of its
+    own, so from the same seed the masks are eager's and so is the whole training, bitwise (SGD with
+    momentum, parameters in CPU memory, optimizer state on NVMe, ``fullgraph=True``)."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class CNN(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c1, self.b1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+            self.c2, self.b2 = nn.Conv2d(8, 16, 3, stride=2), nn.BatchNorm2d(16)
+            self.drop, self.fc = nn.Dropout(0.2), nn.Linear(16 * 7 * 7, 10)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            x = F.relu(self.b2(self.c2(F.relu(self.b1(self.c1(x))))))
+            return F.cross_entropy(self.fc(self.drop(x.flatten(1))), y)
+
+    torch.manual_seed(0)
+    ref = CNN()
+    model = copy.deepcopy(ref)
+    cm = torch.compile(model, backend="zinf", fullgraph=True, options={
+        "compiler": "eager", "offload_params": "cpu", "offload_optimizer": "nvme", "nvme_path": str(tmp_path)})
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    zopt = zinf_compile.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x, y = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)
+        losses = []
+        for run, opt in ((ref, ropt), (cm, zopt)):
+            torch.manual_seed(100 + step)  # the same dropout masks, if both draw alike
+            loss = run(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == losses[1], (step, losses)
+    full = zinf_compile.full_state_dict(model)
+    for k, v in ref.state_dict().items():  # parameters and running statistics
+        assert torch.equal(v, full[k]), k
+    drop_off = copy.deepcopy(ref)
+    drop_off.drop.p = 0.0  # the masks mattered: without them the loss differs
+    torch.manual_seed(0)
+    assert drop_off(x, y).item() != ref(x, y).item()
+
+
 def test_dump_dir_from_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("ZINF_DUMP_DIR", str(tmp_path))
     assert zinf_compile.Config().dump_dir == str(tmp_path)
