@@ -132,6 +132,11 @@ class BufferPool:
         if fence is not None:
             fence.wait()
         raw = t.view(torch.uint8) if t.dtype != torch.uint8 else t
+        if raw.data_ptr() % ALIGN:
+            # not one of ours (a donated tensor: torch's first optimizer states, an autograd
+            # gradient): kept, it would hand out an unaligned buffer on every later acquire, and
+            # each of that buffer's reads and writes would go through the engine's bounce copy
+            return
         nbytes = raw.numel()
         with self._lock:
             if self._idle + nbytes <= self.cap_bytes:

@@ -516,6 +516,14 @@ def test_pool_buffers_start_on_a_page_and_move_without_a_bounce_copy(tmp_path):
         again = pool.acquire(n // dtype.itemsize, dtype)
         assert again.data_ptr() == t.data_ptr()  # reused, still aligned
         pool.release(again)
+    # a donated buffer that is not the pool's (torch's first Adam states, an autograd gradient) is
+    # not kept: every later acquire of its size would hand it out, and every byte of its IO would
+    # go through a bounce slot
+    foreign = torch.empty(4 * MIB + 64, dtype=torch.uint8)
+    foreign = foreign[(4096 - foreign.data_ptr() % 4096) % 4096 + 64:][:4 * MIB]
+    assert foreign.data_ptr() % 4096 == 64
+    pool.release(foreign)
+    assert pool.idle_bytes < 4 * MIB and pool.acquire(4 * MIB, torch.uint8).data_ptr() % 4096 == 0
     src, dst = pool.acquire(n, torch.uint8), pool.acquire(n, torch.uint8)
     src.copy_(rand_tensor(n, torch.uint8))
     with SwapEngine(small_cfg(tmp_path, direct_io=True)) as e:
