@@ -150,13 +150,9 @@ def plan_schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
     graph = gm.graph
     pos = positions(graph)
     still_fetch, still_grad = in_place_uids(ctx)
-    # a uid no input names (none expected) is still when every parameter's is
-    known = {i.uid for i in ctx.params.values()}
-    all_fetch_still = bool(ctx.params) and known <= still_fetch
-    all_grad_still = bool(ctx.params) and known <= still_grad
     chains = []
-    for c in find_chains(graph):
-        if c.uid in still_fetch or (all_fetch_still and c.uid not in known):
+    for c in find_chains(graph):  # every fetch's uid is an input's or its tile's (ctx.params)
+        if c.uid in still_fetch:
             ctx.record.counters["fetch_in_place"] += 1
         else:
             chains.append(c)
@@ -190,7 +186,7 @@ def plan_schedule_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
     for n in graph.nodes:
         if not is_zinf(n, REDUCE_GRAD):
             continue
-        if n.args[2] in still_grad or (all_grad_still and n.args[2] not in known):
+        if n.args[2] in still_grad:
             ctx.record.counters["reduce_in_place"] += 1
         else:
             reduces.append(n)
