@@ -19,7 +19,6 @@ a collective's buffer.
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import os
 import threading
@@ -155,30 +154,38 @@ WRITE_INFLIGHT_CAP = int(os.environ.get("ZINF_NVME_WRITE_INFLIGHT", 128 << 20))
 class WriteTracker:
     """NVMe writes in flight, oldest first (one tracker per model context): their source buffers stay
     resident until the disk has them, so their bytes are capped (the producer then waits for the
-    disk, which is the real bound anyway)."""
+    disk, which is the real bound anyway).
+
+    An insertion-ordered dict keyed by the slot itself (slots compare by identity): ``untrack`` is
+    O(1). A deque's ``remove`` was a linear scan, over a thousand slots in flight on an NVMe step,
+    and cost about 0.1 s of the main thread's time per step of a 25M model."""
 
     def __init__(self, cap_bytes: int = WRITE_INFLIGHT_CAP):
         self.cap_bytes = cap_bytes
-        self._inflight: "collections.deque[Slot]" = collections.deque()
+        self._inflight: Dict["Slot", None] = {}
         self.bytes = 0
         self._lock = threading.Lock()
 
+    def __len__(self) -> int:
+        return len(self._inflight)
+
     def track(self, slot: "Slot") -> None:
         with self._lock:
-            self._inflight.append(slot)
+            if slot in self._inflight:  # already counted (a rewrite before the disk had the last one)
+                self.bytes -= slot.nbytes
+                del self._inflight[slot]  # re-inserted below: it is now the newest
+            self._inflight[slot] = None
             self.bytes += slot.nbytes
         while True:
             with self._lock:
                 if self.bytes <= self.cap_bytes or not self._inflight:
                     return
-                oldest = self._inflight[0]
+                oldest = next(iter(self._inflight))
             oldest.flush()
 
     def untrack(self, slot: "Slot") -> None:
         with self._lock:
-            try:
-                self._inflight.remove(slot)
-            except ValueError:
+            if self._inflight.pop(slot, False) is False:
                 return
             self.bytes -= slot.nbytes
 
@@ -187,9 +194,13 @@ pool = BufferPool()  # the default context's pool (direct runtime users)
 _default_writes = WriteTracker()
 
 
-@dataclass
+@dataclass(eq=False)
 class Slot:
-    """A 1-D tensor of ``numel`` x ``dtype`` on ``tier``; see the module docstring."""
+    """A 1-D tensor of ``numel`` x ``dtype`` on ``tier``; see the module docstring.
+
+    ``eq=False``: a slot is a resource, equal only to itself (and hashable). Field equality made two
+    slots of the same shape and key interchangeable in containers, and cost a field-by-field compare
+    per element in every search."""
 
     tier: str
     kind: str  # accounting kind: "param", "grad" or "optim"

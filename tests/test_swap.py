@@ -569,3 +569,26 @@ def test_slot_writes_go_through_aligned_buffers_unless_donated(tmp_path):
     assert shard.dtype == torch.float32 and shard.numel() == h.shard_numel and shard.data_ptr() % 4096 == 0
     plain = handles["cpu"].new_grad_shard(torch.device("cpu"))
     assert plain.untyped_storage().nbytes() == 4 * plain.numel()  # Slot.adopt takes only a whole storage
+
+
+def test_write_tracker_tells_slots_apart_by_identity(tmp_path):
+    """Two NVMe slots with the same fields (tier, kind, size, key) are different resources: finishing
+    one's write must not remove the other from the writes in flight, whose cap flushes the oldest.
+    (``Slot`` was a field-compared dataclass, and the tracker's deque removed the first *equal* slot,
+    with a linear scan on every read.)"""
+    from zinf_runtime import tiers
+
+    with SwapEngine(small_cfg(tmp_path)) as e:
+        tracker = tiers.WriteTracker(cap_bytes=1 << 30)
+        a, b = (tiers.Slot("nvme", "optim", 1024, torch.float32, torch.device("cpu"), swap=e, key="k")
+                for _ in range(2))
+        assert a is not b and a != b and len({a, b}) == 2
+        tracker.track(a)
+        tracker.track(b)
+        assert tracker.bytes == 2 * 4096
+        tracker.untrack(b)
+        assert list(tracker._inflight) == [a] and tracker.bytes == 4096
+        tracker.untrack(b)  # not in flight any more: nothing changes
+        assert list(tracker._inflight) == [a] and tracker.bytes == 4096
+        tracker.untrack(a)
+        assert len(tracker) == 0 and tracker.bytes == 0
