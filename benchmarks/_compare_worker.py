@@ -40,6 +40,14 @@ def _status_kib(field: str) -> int:
     return int(m.group(1)) if m else 0
 
 
+def _io_bytes() -> Tuple[int, int]:
+    """(read_bytes, write_bytes) this process made the block layer move: what a row really asks of the
+    disk (O_DIRECT and buffered alike), as opposed to what its own counters say."""
+    with open("/proc/self/io") as f:
+        io = dict(line.split(": ") for line in f.read().splitlines())
+    return int(io["read_bytes"]), int(io["write_bytes"])
+
+
 def _rank_world() -> Tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -195,7 +203,10 @@ def run(args: argparse.Namespace) -> None:
         print(f"{args.system}: {n_params:,} params, set up in {setup_s:.1f} s", file=sys.stderr, flush=True)
     times: List[float] = []
     losses: List[float] = []
+    io0 = (0, 0)
     for i in range(1 + args.warmup + args.steps):
+        if i == 1 + args.warmup:
+            io0 = _io_bytes()
         x, y = make_batch(cfg, args.global_batch, seed=i)
         x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
         if world > 1:
@@ -207,14 +218,16 @@ def run(args: argparse.Namespace) -> None:
         if rank == 0:  # progress for the row's log (a timed-out row shows how far it got)
             print(f"step {i}: {times[-1]:.3f} s, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     hwm = _status_kib("VmHWM")
+    io1 = _io_bytes()
+    io = [(b - a) / max(1, args.steps) for a, b in zip(io0, io1)]  # per timed step, this rank
     if args.nvme:  # what this row keeps on the disk: shows whether parameters really live there
         notes["nvme_folder_bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.nvme)
                                          for f in fs if os.path.isfile(os.path.join(d, f)))
     if world > 1:
         gathered: List[Any] = [None] * world
-        dist.all_gather_object(gathered, (times, losses, hwm, setup_s))
+        dist.all_gather_object(gathered, (times, losses, hwm, setup_s, io))
     else:
-        gathered = [(times, losses, hwm, setup_s)]
+        gathered = [(times, losses, hwm, setup_s, io)]
     if rank == 0:
         steps = [max(g[0][i] for g in gathered) for i in range(len(times))]
         mean_losses = [sum(g[1][i] for g in gathered) / world for i in range(len(times))]
@@ -223,6 +236,9 @@ def run(args: argparse.Namespace) -> None:
             "setup_s": max(g[3] for g in gathered), "first_step_s": steps[0],
             "warmup_s": steps[1:1 + args.warmup], "step_s": steps[1 + args.warmup:],
             "losses": mean_losses, "rss_hwm_kib": [g[2] for g in gathered], "notes": notes,
+            # disk bytes per timed step, summed over ranks (/proc/self/io read_bytes, write_bytes)
+            "disk_read_per_step": sum(g[4][0] for g in gathered),
+            "disk_write_per_step": sum(g[4][1] for g in gathered),
             "torch": torch.__version__,
         }
         with open(args.out, "w") as f:
