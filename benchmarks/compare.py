@@ -240,6 +240,14 @@ def _step_cell(r: Dict[str, Any]) -> str:
 # ------------------------------------------------------------------------------------------------
 # the table
 # ------------------------------------------------------------------------------------------------
+def _disk_cell(r: Dict[str, Any]) -> str:
+    """Block-layer bytes per timed step, summed over ranks (``/proc/self/io``): what each system really
+    asks of the disk, measured the same way for all (rows from before this column: "-")."""
+    if "disk_read_per_step" not in r:
+        return "-"
+    return f"{r['disk_read_per_step'] / 2**20:.0f} / {r['disk_write_per_step'] / 2**20:.0f}"
+
+
 def _ratio(a: Optional[float], b: Optional[float]) -> str:
     return f"{a / b:.2f}" if a and b else "-"
 
@@ -303,28 +311,28 @@ def render(data: Dict[str, Any]) -> str:
         lines += [f"## {size}: GPT-style, {n / 1e6:.1f}M params, global batch {anyrow['global_batch']} x "
                   f"{anyrow['seq']} tokens", "",
                   "| system | dp | step s | x Ind. | first step s | x Ind. | peak RSS MiB (sum) | max/rank | x Ind. | "
-                  "last loss | run at (load 1m) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "disk MiB/step read / write | last loss | run at (load 1m) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in ROWS:
             if row not in rows:  # never dropped silently: the row is listed with why it has no numbers
                 lines.append(f"| {LABELS[row]} | {ROWS[row][1]} | not run: no result recorded (not requested, or the "
-                             f"run stopped before it) | | | | | | | | |")
+                             f"run stopped before it) | | | | | | | | | |")
                 continue
             r = rows[row]
             when = f"{r['run_at'][11:16]} ({r['loadavg_before'][0]:.1f})"
             if not r.get("ok"):
-                lines.append(f"| {r['label']} | {r['dp']} | not run: {r['why'].replace('|', '/')} | | | | | | | | {when} |")
+                lines.append(f"| {r['label']} | {r['dp']} | not run: {r['why'].replace('|', '/')} | | | | | | | | | {when} |")
                 continue
             lines.append(
                 f"| {r['label']} | {r['dp']} | {_step_cell(r)} | {_ratio(r['median_step_s'], ref.get('median_step_s'))} "
                 f"| {r['first_step_s']:.1f} | {_ratio(r['first_step_s'], ref.get('first_step_s'))} "
                 f"| {r['rss_sum_mib']:.0f} | {r['rss_max_mib']:.0f} | {_ratio(r['rss_sum_mib'], ref.get('rss_sum_mib'))} "
-                f"| {r['losses'][-1]:.4f} | {when} |")
+                f"| {_disk_cell(r)} | {r['losses'][-1]:.4f} | {when} |")
         for row in rows:
             if row not in ROWS:  # from an older compare.py with other row names: shown, not dropped
                 lines.append(f"| {row} (row name unknown to this compare.py) | {rows[row].get('dp', '?')} | "
                              f"{'%.3f' % rows[row]['median_step_s'] if rows[row].get('ok') else 'not run'} "
-                             f"| | | | | | | | |")
+                             f"| | | | | | | | | |")
         setups = {(r["global_batch"], r.get("warmup"), r.get("steps"), r["dp"], r["threads_per_rank"]) for r in rows.values()}
         if len({(b, w, n) for b, w, n, _, _ in setups}) > 1 or len({(d, t) for _, _, _, d, t in setups}) > 2:
             lines += ["", "**Rows of this size come from runs with different settings** (global batch, warm-up, "
