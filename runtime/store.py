@@ -295,7 +295,12 @@ class ParamHandle:
         """The shard's own memory, to be read in place, when a fetch would only copy it within the
         compute device's memory: at dp = 1, a memory-tier slot on the compute device already in
         ``dtype`` (or its cached compute-dtype copy). None where a fetch moves bytes (NVMe, another
-        device) or feeds an all-gather (dp > 1: strict comm never lets a collective read a slot).
+        device). At dp > 1 the shard feeds an all-gather, and strict comm never lets a collective read
+        a slot: a bucketed gather copies its members into the bucket anyway (``zinf.gather_bucket``'s
+        ``cat``), and a parameter gathered alone is copied right before its collective
+        (``collective_input``). Either way the upload's own copy, a lane-thread hand-off per
+        parameter, is saved: on the CPU with CPU offload at dp 2 that was every parameter copied
+        twice a step.
 
         Why: at dp = 1 without offload (and with CPU offload on a CPU-only machine) the "upload" was
         a full memcpy of every parameter, in forward and again in backward, plus an allocation and
@@ -319,9 +324,9 @@ class ParamHandle:
 
     def reads_in_place(self) -> bool:
         """Whether a fetch reads the slot where it is (``shard_in_place``); the memory plan asks too.
-        Not under a ``device_memory_budget`` (below). At dp > 1 never: the shard would be a collective's input, and collectives never read a
-        slot's memory (``zinf_runtime.comm``, strict mode)."""
-        if self.world != 1 or self.master is None and self.param_copy is None:
+        Not under a ``device_memory_budget`` (below), nor with ``partition="broadcast"`` at dp > 1
+        (the owner's shard is the whole parameter, copied into the broadcast buffer)."""
+        if self.master is None and self.param_copy is None or self.owner is not None:
             return False
         if self.context.accounting.budget is not None:
             # under a device_memory_budget the user asked for fetched working memory bounded and
@@ -401,8 +406,16 @@ class ParamHandle:
         """The full parameter from every rank's shard; accounted as gathered bytes until released."""
         if self.world == 1:
             return shard.view(self.shape)  # for eager callers; graphs use a view node instead
-        buf, work = self.start_all_gather(shard, async_op=False)
+        buf, work = self.start_all_gather(self.collective_input(shard), async_op=False)
         return self.gathered_view(buf)
+
+    @staticmethod
+    def collective_input(shard: torch.Tensor) -> torch.Tensor:
+        """``shard`` as a collective may read it: a private copy when it is a slot's memory read in
+        place (``shard_in_place``), so no collective ever reads a slot (strict comm); else itself."""
+        if _is_in_place(shard.untyped_storage()):
+            return shard.clone()
+        return shard
 
     def start_all_gather(self, shard: torch.Tensor, async_op: bool = True) -> Tuple[torch.Tensor, Any]:
         """Start gathering every rank's shard into a new (padded) buffer; returns it and the

@@ -354,6 +354,7 @@ def op_gather(shard: torch.Tensor, uid: int, shape: List[int]) -> torch.Tensor:
         raise RuntimeError(f"zinf.gather on {h.name!r}: dp = 1 graphs view the fetched shard instead")
     eng = h.context.transfers
     eng.enter()
+    shard = h.collective_input(shard)  # kept by the ticket below until the collective is done
     buf, work = h.start_all_gather(shard)
     tok = eng.start(Ticket("all_gather", h.name, _nb(buf), lambda: (work.wait(), buf)[1], keep=(shard, buf)))
     eng.leave()

@@ -89,6 +89,10 @@ def test_gpt_dp2_matches_single_process_eager(tmp_path):
     assert counts.get("backward:zinf.reduce_bucket.default", 0) > 0, counts
     assert counts["forward:zinf.release.default"] == counts["forward:zinf.wait_gather.default"], counts
     assert counts["backward:zinf.release.default"] == counts["backward:zinf.wait_gather.default"], counts
+    # the shards live in the compute device's memory (here the CPU): every fetch reads its slot in place
+    # (no upload copy), and the collectives still never read a slot (strict comm is on in the suite)
+    fetches = counts["forward:zinf.wait_upload.default"] + counts["backward:zinf.wait_upload.default"]
+    assert res["transfers"].get("in_place", 0) == 3 * fetches, (res["transfers"], fetches)
 
 
 def test_gpt_dp2_with_tiling_matches_single_process_eager(tmp_path):

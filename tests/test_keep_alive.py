@@ -103,9 +103,10 @@ def test_same_shape_parameters_train_like_eager_at_dp2(tmp_path):
     reduce-scattered asynchronously, so a buffer Inductor reused would show in the losses or in the
     parameters after three SGD steps of two micro-batches. Against single-process eager on the mean
     of both ranks' losses (the reduce-scatter's mean over dp): another summation order, so the fp32
-    tolerance of tests/test_dp.py. Unlike dp 1, disabling ``keep_alive`` does not break this case
-    today (checked: the same losses), since nothing at dp 2 reads a shard in place; the test guards
-    the dp-2 paths against a compiler that starts reusing their buffers."""
+    tolerance of tests/test_dp.py. In memory and with CPU offload the fetched shard is the slot's own
+    memory here too (read in place, then copied into the collective's buffer), so ``keep_alive``
+    guards it as at dp 1; the test also guards the other dp-2 buffers against a compiler that starts
+    reusing them."""
     import json
     import os
     import socket

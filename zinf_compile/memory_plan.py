@@ -436,8 +436,9 @@ class _Builder:
         to hold them). A bucket's own: for ``gather_bucket`` the packed shards and the (world, total)
         output in the shards' dtype, for ``reduce_bucket`` the fp32 (world, total) pack and the
         total-element output; members the runtime reduces alone (tiled elsewhere, or not
-        dp-partitioned) are left out, as there. On a gloo group, besides: gloo's staging copy of the
-        (world, total) elements. A synchronous ``all_gather`` / ``reduce_grad`` holds them for its
+        dp-partitioned) are left out, as there. A parameter gathered alone whose shard is read in place
+        is copied for the collective first (its shard bytes). On a gloo group, besides: gloo's staging
+        copy of the (world, total) elements. A synchronous ``all_gather`` / ``reduce_grad`` holds them for its
         own step only."""
         bucket = n.target in (GATHER_BUCKET, REDUCE_BUCKET)
         gather = n.target in (GATHER_BUCKET, GATHER, ALL_GATHER)
@@ -467,6 +468,10 @@ class _Builder:
         if bucket:
             self.extra.append(Interval(f"{stage}:{n.name}", "device", "comm", "bucket", (world + 1) * total * item,
                                        pos[n], pos[last], where, (), None))
+        if gather and not bucket and handles[0].reads_in_place():
+            # a shard read in place is copied for its collective (``ParamHandle.collective_input``)
+            self.extra.append(Interval(f"{stage}:{n.name}", "device", "comm", "collective_input", total * item,
+                                       pos[n], pos[last], where, (), handles[0].name))
         if _backend(handles[0]) == "gloo":
             self.extra.append(Interval(f"{stage}:{n.name}", "device", "comm", "gloo_copy", world * total * item,
                                        pos[n], pos[last], where, (), None if bucket else handles[0].name))

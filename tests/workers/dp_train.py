@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import zinf_compile
+import zinf_runtime
 from zinf_compile.models import GPT, GPTConfig
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -57,10 +58,11 @@ def main(out_path: str, options_json: str, steps: int, global_batch: int, cfg_js
             for k, v in (snap.op_counts if snap else {}).items():
                 if "zinf" in k:
                     counts[f"{stage}:{k}"] = counts.get(f"{stage}:{k}", 0) + v
+    transfers = dict(zinf_runtime.handle_of(next(model.parameters())).context.transfers.counters)
     full = zinf_compile.full_state_dict(model, rank0_only=True)
     if rank == 0:
         torch.save({"losses": losses, "grads": grads, "state": full, "shard_bytes": [int(s) for s in all_shards],
-                    "total_param_bytes": total_param_bytes, "counts": counts}, out_path)
+                    "total_param_bytes": total_param_bytes, "counts": counts, "transfers": transfers}, out_path)
     dist.barrier()
     dist.destroy_process_group()
 
