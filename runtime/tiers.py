@@ -157,8 +157,9 @@ class WriteTracker:
     disk, which is the real bound anyway).
 
     An insertion-ordered dict keyed by the slot itself (slots compare by identity): ``untrack`` is
-    O(1). A deque's ``remove`` was a linear scan, over a thousand slots in flight on an NVMe step,
-    and cost about 0.1 s of the main thread's time per step of a 25M model."""
+    O(1). A deque's ``remove`` compared the slot field by field with every write in flight, on every
+    flush: about 110 000 compares and 0.1 s of the main thread (under cProfile) per NVMe step of a
+    25M model at dp 1."""
 
     def __init__(self, cap_bytes: int = WRITE_INFLIGHT_CAP):
         self.cap_bytes = cap_bytes
