@@ -326,7 +326,7 @@ class ParamHandle:
         """Whether a fetch reads the slot where it is (``shard_in_place``); the memory plan asks too.
         Not under a ``device_memory_budget`` (below), nor with ``partition="broadcast"`` at dp > 1
         (the owner's shard is the whole parameter, copied into the broadcast buffer)."""
-        if self.master is None and self.param_copy is None or self.owner is not None:
+        if (self.master is None and self.param_copy is None) or self.owner is not None:
             return False
         if self.context.accounting.budget is not None:
             # under a device_memory_budget the user asked for fetched working memory bounded and

@@ -172,7 +172,7 @@ class WriteTracker:
 
     def track(self, slot: "Slot") -> None:
         with self._lock:
-            if slot in self._inflight:  # already counted (a rewrite before the disk had the last one)
+            if slot in self._inflight:  # tracked twice without an untrack (Slot.set flushes first): count it once
                 self.bytes -= slot.nbytes
                 del self._inflight[slot]  # re-inserted below: it is now the newest
             self._inflight[slot] = None
