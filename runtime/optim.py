@@ -186,10 +186,15 @@ class ShardedOptimizerMixin:
         ov.attach()  # the optimizer is known for these parameters now: overlap the next backward
 
     def _commit_shadows(self, u: store.ParamHandle, e: "optim_overlap.Entry") -> None:
-        """Make a unit's speculatively stepped NVMe shadows its master and moment slots."""
-        old = u.master
-        u.master = e.shadows.pop("master")
-        old.drop(keep_file=True)  # the next shadow takes this key again (optim_overlap._other_key)
+        """Make a unit's speculatively stepped NVMe shadows its master and moment slots (a master in
+        memory, ``store.master_home``, takes the stepped copy's values)."""
+        if "master" in e.shadows:
+            old = u.master
+            u.master = e.shadows.pop("master")
+            old.drop(keep_file=True)  # the next shadow takes this key again (optim_overlap._other_key)
+        else:
+            u.master.set(e.master)
+            e.master = None
         for name, slot in e.shadows.items():
             prev = u.optim_slots.get(name)
             u.optim_slots[name] = slot
@@ -248,9 +253,11 @@ class ShardedOptimizerMixin:
                 if e is not None:  # prefetched during backward; its buffers are the step's from here
                     ov.consumed(e)  # type: ignore[union-attr]
                     handles = [h for h in (e.master_read, *(h for _, h in e.states.values())) if h]
-                    out.append((gi, u, e.master, e.grad, dict(e.states), handles))
+                    master = e.master if e.master is not None else u.master.resident()
+                    out.append((gi, u, master, e.grad, dict(e.states), handles))
                     continue
-                master, hm = read(u.master)
+                # a master in memory (store.master_home) is stepped in place: no read, no write
+                master, hm = read(u.master) if u.master.tier == "nvme" else (u.master.resident(), None)
                 if u.grad_slot.present:
                     grad, hg = read(u.grad_slot)
                 else:  # zeroed in place (zero_grad(set_to_none=False)): step with zeros, as eager does
@@ -281,7 +288,8 @@ class ShardedOptimizerMixin:
                     master.grad = None
                     u.grad_slot.pool.release(grad)
                     u.master_updated(master)
-                    u.master.set(master, donate=True, recycle=True)  # buffers return once written
+                    if u.master.tier == "nvme":
+                        u.master.set(master, donate=True, recycle=True)  # buffers return once written
                     for name, value in self.state.pop(master, {}).items():
                         if torch.is_tensor(value) and value.numel() == u.shard_numel:
                             if name not in u.optim_slots:

@@ -220,9 +220,11 @@ class OptimizerOverlap:
         _, overlap = settings_of(u)
         tier = u.placement.master_tier
         numel = u.shard_numel
-        if tier == "nvme":
+        if tier == "nvme":  # the gradient copy, the master's (read, or copied to step on) and the moments
             present = [s for s in u.optim_slots.values() if s.present]
             nbytes = 4 * numel * 2 + sum(s.nbytes for s in present)
+            if not overlap and u.master.tier != "nvme":
+                nbytes -= 4 * numel  # a prefetch leaves a master in memory where it is (store.master_home)
         else:
             nbytes = 4 * numel * 2 + _state_bytes(_unit_state(opt, u))
         with self._lock:
@@ -244,7 +246,8 @@ class OptimizerOverlap:
             with self._lock:
                 self._jobs.append(e.job)
         else:  # prefetch (NVMe): start the reads of the master and the moments now
-            e.master, e.master_read = u.master.get_async(out=pool.acquire(numel, torch.float32))
+            if u.master.tier == "nvme":  # else the step uses the master in memory as it is
+                e.master, e.master_read = u.master.get_async(out=pool.acquire(numel, torch.float32))
             for name, slot in u.optim_slots.items():
                 if slot.present:
                     e.states[name] = slot.get_async(out=pool.acquire(slot.numel, slot.dtype))
@@ -270,7 +273,9 @@ class OptimizerOverlap:
         pool = u.context.pool
         hp = _snapshot(opt.param_groups[e.gi])
         if u.placement.master_tier == "nvme":
-            master, hm = u.master.get_async(out=pool.acquire(u.shard_numel, torch.float32))
+            on_disk = u.master.tier == "nvme"  # else a master in memory (store.master_home): stepped on a copy
+            master, hm = (u.master.get_async(out=pool.acquire(u.shard_numel, torch.float32)) if on_disk
+                          else (u.master.resident().clone(), None))
             reads = {name: slot.get_async(out=pool.acquire(slot.numel, slot.dtype))
                      for name, slot in u.optim_slots.items() if slot.present}
             if hm is not None:
@@ -282,16 +287,20 @@ class OptimizerOverlap:
             state.update({k: (v.clone() if torch.is_tensor(v) else v) for k, v in u.optim_small.items()})
             new = step_on_copies(opt, e.gi, hp, master, e.grad, state)
             ctx = _PrivateWrites(u.context)
-            shadow = tiers.Slot("nvme", "param", u.shard_numel, torch.float32, torch.device("cpu"), u.master.swap,
-                                _other_key(u.master.key), u.master.pin, ctx)  # type: ignore[arg-type]
-            shadow.set(master, donate=True, recycle=True)
-            e.shadows["master"] = shadow
+            swap = u.grad_slot.swap  # the unit's NVMe engine (its master may be in memory)
+            if on_disk:
+                shadow = tiers.Slot("nvme", "param", u.shard_numel, torch.float32, torch.device("cpu"), swap,
+                                    _other_key(u.master.key), u.master.pin, ctx)  # type: ignore[arg-type]
+                shadow.set(master, donate=True, recycle=True)
+                e.shadows["master"] = shadow
+            else:
+                e.master = master  # committed by a copy into the master (OptimizerOverlap.commit_master)
             for name, value in new.items():
                 if torch.is_tensor(value) and value.numel() == u.shard_numel:
                     cur = u.optim_slots.get(name)
                     key = _other_key(cur.key) if cur is not None else f"u{u.uid}.optim.{name}"
-                    s = tiers.Slot("nvme", "optim", u.shard_numel, value.dtype, torch.device("cpu"), u.master.swap,
-                                   key, u.master.pin, ctx)  # type: ignore[arg-type]
+                    s = tiers.Slot("nvme", "optim", u.shard_numel, value.dtype, torch.device("cpu"), swap,
+                                   key, u.grad_slot.pin, ctx)  # type: ignore[arg-type]
                     s.set(value, donate=True, recycle=name in reads)
                     e.shadows[name] = s
                 else:
@@ -300,9 +309,10 @@ class OptimizerOverlap:
                 s.flush()  # the disk has them (errors surface here); their buffers are back in the pool
             pool.release(e.grad)
             e.grad = None
-            with self._lock:  # nothing of this unit is held in memory any more
-                self.held_bytes -= e.nbytes
-                e.nbytes = 0
+            with self._lock:  # nothing of this unit is held in memory any more, but a stepped master copy
+                kept = 0 if on_disk else 4 * u.shard_numel
+                self.held_bytes -= e.nbytes - kept
+                e.nbytes = kept
         else:
             master = u.master.resident().clone()
             state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in _unit_state(opt, u).items()}
@@ -398,11 +408,10 @@ class OptimizerOverlap:
                 h.wait()  # a read in flight writes into the buffer: wait before it goes back
         if e.grad is not None:
             pool.release(e.grad)
-        if e.master_read is not None or e.states:  # pooled prefetch buffers (CPU-tier results are not pooled)
-            if e.master is not None:
-                pool.release(e.master)
-            for t, _ in e.states.values():
-                pool.release(t)
+        if e.master_read is not None and e.master is not None:  # pooled prefetch buffers (clones are not)
+            pool.release(e.master)
+        for t, _ in e.states.values():
+            pool.release(t)
         for s in e.shadows.values():
             s.drop(keep_file=True)  # the unit's next speculation writes this key again: overwrite its file
         e.grad = e.master = None

@@ -99,6 +99,25 @@ class Placement:
         return self.device_of(self.master_tier)
 
 
+def master_home(tier: str, master_tier: str, dtype: torch.dtype) -> Tuple[str, bool]:
+    """``(tier of the fp32 master slot, whether it is also the parameter copy)`` of a parameter of
+    ``dtype`` whose copy lives on ``tier`` and whose optimizer state lives on ``master_tier``.
+
+    One slot serves as both when they would hold the same bits in the same place: the same memory
+    tier and an fp32 parameter, or both on NVMe (one file, cast on fetch). Parameters in CPU memory
+    with the optimizer on NVMe (``offload_params="cpu", offload_optimizer="nvme"``) keep an fp32
+    master in the CPU copy too: the copy is in host memory anyway and equals the master bit for bit,
+    so a separate master file would add a write and a read of every master byte per step (a third
+    of the optimizer's NVMe traffic) and the disk space for nothing. Gradients and moments stay on
+    NVMe.
+    """
+    if tier == master_tier and (tier == "nvme" or dtype == torch.float32):
+        return master_tier, True
+    if tier == "cpu" and master_tier == "nvme" and dtype == torch.float32:
+        return "cpu", True
+    return master_tier, False
+
+
 def _nbytes(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
@@ -145,9 +164,9 @@ class ParamHandle:
         self.state_version = 0
         self.grad_listener: Optional[Callable[["ParamHandle", Optional[torch.Tensor]], None]] = None
         pl = placement
-        self.master: Optional[tiers.Slot] = self._slot(pl.master_tier, "param", torch.float32, "master")
-        # the copy forward/backward fetch; None: the master serves (same memory tier, fp32 model)
-        shared = pl.tier == pl.master_tier and (pl.tier == "nvme" or dtype == torch.float32)
+        home, shared = master_home(pl.tier, pl.master_tier, dtype)
+        self.master: Optional[tiers.Slot] = self._slot(home, "param", torch.float32, "master")
+        # the copy forward/backward fetch; None: the master serves (see ``master_home``)
         self.param_copy: Optional[tiers.Slot] = None if shared else self._slot(pl.tier, "param", dtype, "param")
         self.grad_slot: tiers.Slot = self._slot(pl.master_tier, "grad", torch.float32, "grad")
         # optimizer moments of an NVMe optimizer tier live here (memory tiers use optimizer.state);

@@ -34,8 +34,10 @@ def train(tier, tmp_path, features, make_opt=OPTIMIZERS["AdamW"], steps=3, accum
     parameters, the overlap's counters and the optimizer."""
     torch.manual_seed(0)
     model = model if model is not None else GPT(CFG)
-    opts = {"compiler": "eager", "offload_params": tier, "offload_optimizer": tier, **features, **(extra or {})}
-    if tier == "nvme":
+    # "cpunvme": parameters in CPU memory, optimizer on NVMe; the master is the CPU copy (store.master_home)
+    params, optim = ("cpu", "nvme") if tier == "cpunvme" else (tier, tier)
+    opts = {"compiler": "eager", "offload_params": params, "offload_optimizer": optim, **features, **(extra or {})}
+    if optim == "nvme":
         folder = tmp_path / f"nvme{len(list(tmp_path.iterdir()))}"
         folder.mkdir()
         opts["nvme_path"] = str(folder)
@@ -61,7 +63,7 @@ def assert_bitwise(a, b):
         assert torch.equal(a[k], b[k]), f"{k}: max diff {(a[k] - b[k]).abs().max().item():.3g}"
 
 
-@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("tier", ["cpu", "nvme", "cpunvme"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_overlapped_step_is_bitwise_the_plain_step(tier, name, tmp_path):
     ref, _, _ = train(tier, tmp_path, PLAIN, OPTIMIZERS[name])
@@ -86,15 +88,16 @@ def test_overlapped_nvme_steps_overwrite_their_swap_files(tmp_path):
     assert seen[3] == seen[4] == seen[5], [len(x) for x in seen]
 
 
+@pytest.mark.parametrize("tier", ["nvme", "cpunvme"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_prefetched_state_is_bitwise_the_plain_step(name, tmp_path):
-    ref, _, _ = train("nvme", tmp_path, PLAIN, OPTIMIZERS[name])
-    got, stats, _ = train("nvme", tmp_path, PREFETCH, OPTIMIZERS[name])
+def test_prefetched_state_is_bitwise_the_plain_step(name, tier, tmp_path):
+    ref, _, _ = train(tier, tmp_path, PLAIN, OPTIMIZERS[name])
+    got, stats, _ = train(tier, tmp_path, PREFETCH, OPTIMIZERS[name])
     assert_bitwise(got, ref)
     assert stats.get("consumed", 0) > 0 and not stats.get("committed"), stats
 
 
-@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("tier", ["cpu", "nvme", "cpunvme"])
 def test_clipping_that_clips_rolls_back(tier, tmp_path):
     """max_norm far below the gradient norm: every gradient is scaled after the speculative step ran
     on the unclipped one, which must be dropped; the result is the plain step's, and eager's."""
@@ -126,7 +129,7 @@ def test_clipping_that_does_not_clip_commits(tmp_path):
     assert stats.get("committed", 0) > 0 and not stats.get("rolled_back"), stats
 
 
-@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("tier", ["cpu", "nvme", "cpunvme"])
 def test_accumulation_over_two_micro_batches(tier, tmp_path):
     """The first micro-batch's speculation used half the gradient; the second restarts it with the sum."""
     ref, _, _ = train(tier, tmp_path, PLAIN, accum=2)
@@ -138,7 +141,7 @@ def test_accumulation_over_two_micro_batches(tier, tmp_path):
     assert pstats.get("consumed", 0) > 0
 
 
-@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("tier", ["cpu", "nvme", "cpunvme"])
 def test_lr_changed_between_backward_and_step_rolls_back(tier, tmp_path):
     def lower_lr(opt, i):
         for g in opt.param_groups:
@@ -193,8 +196,10 @@ def test_zero_grad_without_step_drops_the_work(tmp_path):
     assert stats.get("committed", 0) > 0 and stats.get("invalidated", 0) > 0
 
 
-@pytest.mark.parametrize("tier, features", [("cpu", OVERLAP), ("nvme", OVERLAP), ("nvme", PREFETCH)],
-                         ids=["cpu-overlap", "nvme-overlap", "nvme-prefetch"])  # prefetch: NVMe only
+@pytest.mark.parametrize("tier, features", [("cpu", OVERLAP), ("nvme", OVERLAP), ("nvme", PREFETCH),
+                                            ("cpunvme", OVERLAP), ("cpunvme", PREFETCH)],
+                         ids=["cpu-overlap", "nvme-overlap", "nvme-prefetch", "cpunvme-overlap",
+                              "cpunvme-prefetch"])  # prefetch: NVMe only
 def test_held_bytes_never_exceed_the_cap(tier, features, tmp_path):
     cap = 20_000  # bytes: a few of the small units fit, most do not
     ref, _, _ = train(tier, tmp_path, PLAIN, extra={"optimizer_sub_group_bytes": cap})

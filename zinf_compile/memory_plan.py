@@ -22,10 +22,11 @@ tensor gets a live interval on the schedule (forward nodes, then backward nodes)
 
 ``<tier>``: fp32 masters, gradient shards and optimizer state live where ``offload_optimizer`` puts
 them; a separate parameter copy (``param_copy``) lives where ``offload_params`` puts it when the two
-tiers differ (``device``, ``cpu`` or ``nvme``). On ``nvme`` a shard is a file: its bytes count on the
-``nvme`` tier (payload, as the runtime's accounting counts them; ``plan.nvme_file_bytes()`` adds the
-4096-byte padding of each file, i.e. what the swap folder holds), never on ``cpu``. What NVMe IO
-needs in host memory is the ``cpu`` tier's ``staging`` kind::
+tiers differ (``device``, ``cpu`` or ``nvme``), except that an fp32 parameter copy in CPU memory is
+also the master of an optimizer on NVMe (``zinf_runtime.store.master_home``). On ``nvme`` a shard
+is a file: its bytes count on the ``nvme`` tier (payload, as the runtime's accounting counts them;
+``plan.nvme_file_bytes()`` adds the 4096-byte padding of each file, i.e. what the swap folder
+holds), never on ``cpu``. What NVMe IO needs in host memory is the ``cpu`` tier's ``staging`` kind::
 
     cpu     staging      read_buffer:  the host buffer a fetch reads a shard into (+ its cast), from the
                                        read's start (a stage's first reads: from the previous stage's end,
@@ -409,8 +410,8 @@ class _Builder:
             if fetch:
                 shard_numel, dtype = args[2], args[3]
                 pdtype = h.dtype if h is not None else torch.float32
-                shared = tier == otier and (tier == "nvme" or pdtype == torch.float32)
-                self._once(("param", uid), Interval(f"shard:{param}", otier, "param", "shard", 4 * shard_numel,
+                home, shared = store.master_home(tier, otier, pdtype)
+                self._once(("param", uid), Interval(f"shard:{param}", home, "param", "shard", 4 * shard_numel,
                                                     0, self.END, "end", (), param))
                 if not shared:  # a separate parameter copy on the parameter tier
                     nb = shard_numel * torch.empty((), dtype=pdtype).element_size()
