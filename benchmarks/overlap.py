@@ -87,6 +87,7 @@ def row_options(row: str, args: argparse.Namespace, nvme_path: str) -> Dict[str,
         opts["overlap_optimizer_step"] = True
     elif row == "scheduled" and args.trace:  # scheduled: the defaults, plus the trace if asked for
         opts["trace"] = os.path.abspath(args.trace)
+        opts["trace_step"] = args.warmup + 1  # the first timed step (0 compiles, then the warm-up)
     return opts
 
 

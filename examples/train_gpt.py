@@ -181,8 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     zinf.add_argument("--dump-dir", default=None,
                       help="write every graph after every pass, and the memory plan, here (zinf inspect DIR)")
     zinf.add_argument("--trace", default=None, metavar="PATH",
-                      help="write a Chrome/Perfetto trace of the second step here (compute, NVMe, copies, "
+                      help="write a Chrome/Perfetto trace of one step here (compute, NVMe, copies, "
                            "collectives, optimizer lanes; open in ui.perfetto.dev)")
+    zinf.add_argument("--trace-step", type=int, default=1, metavar="N",
+                      help="the step --trace records, counted from 0 (default 1, the step after compiling; "
+                           "2 or later for the steady state of an NVMe run)")
     zinf.add_argument("--prefetch-depths", default=None, metavar="NC,CG,GG",
                       help="lookahead of the NVMe read, upload and all-gather in operators (default 3,2,1; "
                            "0,0,0 = serial)")
@@ -215,7 +218,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                                "nvme_path": nvme_path, "device_memory_budget": budget, "tiles": args.tiles,
                                **({"tile_threshold_bytes": 0} if args.tiles is not None else {}),
                                "compiler": args.compiler, "mixed_precision": args.mixed_precision,
-                               "dump_dir": args.dump_dir, "trace": args.trace}
+                               "dump_dir": args.dump_dir, "trace": args.trace, "trace_step": args.trace_step}
     if args.prefetch_depths:
         options["prefetch_depths"] = tuple(int(v) for v in args.prefetch_depths.split(","))
     try:

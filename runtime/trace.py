@@ -6,10 +6,10 @@ optimizer step; the time the main thread blocked in a wait), one lane each::
 
     compute | wait | nvme_read | nvme_write | h2d | d2h | all_gather | reduce_scatter | optimizer
 
-Why one step, the second: the first includes compilation, and a whole run's trace is too large to
-open. Steps end at each optimizer step; the trace of step ``record_step`` (default 1, counted
-from 0) is written as soon as it ends, or at exit with whatever was recorded if training stopped
-earlier. Open it in ``chrome://tracing`` or https://ui.perfetto.dev: the overlap shows as transfer
+Why one step, by default the second: the first includes compilation, and a whole run's trace is too
+large to open. Steps end at each optimizer step; the trace of step ``record_step`` (option
+``trace_step``, default 1, counted from 0) is written as soon as it ends, or at exit with whatever
+was recorded if training stopped earlier. Open it in ``chrome://tracing`` or https://ui.perfetto.dev: the overlap shows as transfer
 spans running under compute spans.
 """
 

@@ -233,6 +233,17 @@ def test_trace_shows_transfers_under_compute(tmp_path):
     assert {"compute", "nvme_read", "nvme_write", "h2d", "d2h", "all_gather", "reduce_scatter", "optimizer"} <= names
 
 
+def test_trace_step_records_the_step_asked_for(tmp_path):
+    """``trace_step``: the trace holds the step asked for (here the third, counted from 0), written as
+    soon as that step's optimizer step ends."""
+    path = tmp_path / "step.json"
+    _train({"offload_params": "nvme", "offload_optimizer": "nvme", "trace": str(path), "trace_step": 2},
+           steps=3, tmp=tmp_path)
+    trace = json.loads(path.read_text())
+    assert trace["otherData"]["step"] == 2
+    assert {"compute", "nvme_read", "optimizer"} <= {e["cat"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+
+
 def _bucketed_vs_serial(tmp_path):
     """bucket_bytes on top of the default schedule: the same bytes gathered and reduced by fewer
     collectives, so the same numbers as the serial order, bitwise (zinf against zinf: no rounding to
@@ -287,7 +298,7 @@ def test_schedule_options_are_checked():
     for bad in ({"prefetch_depths": (1, 2)}, {"prefetch_depths": (-1, 0, 0)}, {"reduce_depths": (1,)},
                 {"max_inflight_bytes": -1}, {"bucket_bytes": -1}, {"bucket_bytes": 10, "max_inflight_bytes": 5},
                 {"bucket_bytes": 10, "partition": "broadcast"},
-                {"trace": 3}):
+                {"trace": 3}, {"trace_step": -1}, {"trace_step": 1.5}, {"trace_step": True}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             zinf_compile.Config(**bad)
     assert zinf_compile.Config(prefetch_depths=[0, 0, 0]).prefetch_depths == (0, 0, 0)

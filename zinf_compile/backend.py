@@ -266,7 +266,8 @@ def _start_trace(cfg: Config, params: List[Any]) -> None:
 
     for ctx in zinf_runtime.contexts_of(params):
         if ctx.transfers.tracer is None:
-            ctx.transfers.tracer = Tracer(str(cfg.trace), rank=zinf_runtime.comm.rank(cfg.resolved_group()))
+            ctx.transfers.tracer = Tracer(str(cfg.trace), rank=zinf_runtime.comm.rank(cfg.resolved_group()),
+                                          record_step=cfg.trace_step)
 
 
 def _reason(exc: BaseException) -> str:

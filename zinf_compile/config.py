@@ -112,8 +112,12 @@ class Config:
         each parameter has one owner rank (balanced by bytes) holding it whole on its tier; a use
         broadcasts it from the owner, a gradient is reduced to the owner, whose optimizer steps it
         (``zinf_runtime.broadcast``). Same numbers either way; checkpoints refuse "broadcast".
-    trace: a path: write a Chrome/Perfetto trace (JSON) of the transfers and compute of each step
+    trace: a path: write a Chrome/Perfetto trace (JSON) of the transfers and compute of one step
         there (``zinf_runtime.transfer``).
+    trace_step: which step ``trace`` records, counted from 0 and ended by each optimizer step (default
+        1, the step after the one that compiles). With an NVMe tier, step 1 still creates the second
+        file of each rewritten key and steps 0-1 run without the optimizer's prefetch (it attaches at
+        the first step): 2 or later shows the steady state.
     optimizer_prefetch: with the optimizer on NVMe, start reading a unit's master and moments (and
         keep its final gradient in memory) during backward, as soon as its gradient is final, up to
         ``optimizer_sub_group_bytes`` held; ``step()`` uses them if nothing changed since
@@ -153,6 +157,7 @@ class Config:
     max_inflight_bytes: Optional[int] = None
     bucket_bytes: Optional[int] = None
     trace: Optional[str] = None
+    trace_step: int = 1
     partition: str = "bandwidth"
     optimizer_prefetch: bool = True
     overlap_optimizer_step: bool = False
@@ -223,6 +228,9 @@ class Config:
                 raise ValueError(f"zinf option {key!r}: expected True or False, got {getattr(self, key)!r}")
         if self.trace is not None and not isinstance(self.trace, (str, os.PathLike)):
             raise ValueError(f"zinf option 'trace': expected a file path, got {self.trace!r}")
+        if isinstance(self.trace_step, bool) or not isinstance(self.trace_step, int) or self.trace_step < 0:
+            raise ValueError(f"zinf option 'trace_step': expected an int >= 0 (the step to record, counted from "
+                             f"0), got {self.trace_step!r}")
         mmap_max = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
         value = self.malloc_mmap_threshold
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= mmap_max):
