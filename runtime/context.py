@@ -68,6 +68,7 @@ class RuntimeContext:
         self.accounting = accounting.Accounting(accounting.TOTAL, device_memory_budget, self.name)
         self.pool = pool if pool is not None else tiers.BufferPool()
         self.writes = writes if writes is not None else tiers.WriteTracker()
+        self.dirty = tiers.DirtyTracker()  # NVMe values kept in memory unwritten (gradients; Slot.set defer)
         self._engines: Dict[Tuple[SwapConfig, int], SwapEngine] = {}
         self._lock = threading.Lock()
         self._keys: List[Any] = []  # compile keys resolved to this context, kept so their ids stay unique

@@ -254,11 +254,14 @@ class ShardedOptimizerMixin:
                     ov.consumed(e)  # type: ignore[union-attr]
                     handles = [h for h in (e.master_read, *(h for _, h in e.states.values())) if h]
                     master = e.master if e.master is not None else u.master.resident()
-                    out.append((gi, u, master, e.grad, dict(e.states), handles))
+                    grad = e.grad if not e.grad_borrowed else _Borrowed(e.grad)
+                    out.append((gi, u, master, grad, dict(e.states), handles))
                     continue
                 # a master in memory (store.master_home) is stepped in place: no read, no write
                 master, hm = read(u.master) if u.master.tier == "nvme" else (u.master.resident(), None)
-                if u.grad_slot.present:
+                if u.grad_slot.dirty is not None:  # kept in memory (write-back): stepped from there
+                    grad, hg = _Borrowed(u.grad_slot.dirty), None
+                elif u.grad_slot.present:
                     grad, hg = read(u.grad_slot)
                 else:  # zeroed in place (zero_grad(set_to_none=False)): step with zeros, as eager does
                     grad, hg = u.grad_slot.pool.acquire(u.grad_slot.numel, u.grad_slot.dtype).zero_(), None
@@ -275,7 +278,7 @@ class ShardedOptimizerMixin:
                 for gi, u, master, grad, st, handles in current:
                     for h in handles:
                         h.wait()
-                    master.grad = grad
+                    master.grad = grad.t if isinstance(grad, _Borrowed) else grad
                     state = {name: t for name, (t, _) in st.items()}
                     state.update(u.optim_small)
                     if state:
@@ -286,7 +289,8 @@ class ShardedOptimizerMixin:
                 base_step(type(self))(self)
                 for gi, u, master, grad, st, _ in current:
                     master.grad = None
-                    u.grad_slot.pool.release(grad)
+                    if not isinstance(grad, _Borrowed):  # the slot's own value stays the slot's
+                        u.grad_slot.pool.release(grad)
                     u.master_updated(master)
                     if u.master.tier == "nvme":
                         u.master.set(master, donate=True, recycle=True)  # buffers return once written
@@ -439,6 +443,17 @@ class ShardedOptimizerMixin:
         for tier in set(per_tier) | set(before):
             accounting.add(tier, "optim", per_tier.get(tier, 0) - before.get(tier, 0))
         self._zinf_state_bytes = per_tier
+
+
+class _Borrowed:
+    """A gradient the streamed step uses in place of a copy: the slot's deferred value (``Slot.dirty``),
+    still the slot's afterwards (``zero_grad`` frees it). Like a memory tier's, and like eager's
+    ``p.grad``, it is what the optimizer sees."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
 
 
 def _average_replicated(optimizer: ShardedOptimizerMixin) -> Callable[[torch.Tensor], None]:

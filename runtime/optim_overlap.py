@@ -130,6 +130,7 @@ class _PrivateWrites:
         self.accounting = ctx.accounting
         self.pool = ctx.pool
         self.writes = tiers.WriteTracker(cap_bytes=1 << 62)
+        self.dirty = tiers.DirtyTracker()  # unused: shadows are written at once
 
 
 class Entry:
@@ -142,6 +143,7 @@ class Entry:
         self.gv = unit.grad_version
         self.sv = unit.state_version
         self.grad: Optional[torch.Tensor] = None
+        self.grad_borrowed = False  # grad is the gradient slot's own deferred value (Slot.dirty), not a copy
         self.master: Optional[torch.Tensor] = None
         self.states: Dict[str, tuple] = {}  # prefetch: name -> (buffer, read handle)
         self.master_read: Any = None
@@ -220,11 +222,15 @@ class OptimizerOverlap:
         _, overlap = settings_of(u)
         tier = u.placement.master_tier
         numel = u.shard_numel
+        # a prefetch borrows a gradient the slot keeps in memory (write-back, tiers.DirtyTracker counts it)
+        borrow = not overlap and tier == "nvme" and value is u.grad_slot.dirty
         if tier == "nvme":  # the gradient copy, the master's (read, or copied to step on) and the moments
             present = [s for s in u.optim_slots.values() if s.present]
             nbytes = 4 * numel * 2 + sum(s.nbytes for s in present)
             if not overlap and u.master.tier != "nvme":
                 nbytes -= 4 * numel  # a prefetch leaves a master in memory where it is (store.master_home)
+            if borrow:
+                nbytes -= 4 * numel
         else:
             nbytes = 4 * numel * 2 + _state_bytes(_unit_state(opt, u))
         with self._lock:
@@ -236,8 +242,11 @@ class OptimizerOverlap:
             e = Entry(u, gi, nbytes)
             self._entries[u.uid] = e
         pool = u.context.pool
-        e.grad = pool.acquire(numel, torch.float32)
-        e.grad.copy_(value.reshape(-1))
+        if borrow:
+            e.grad, e.grad_borrowed = u.grad_slot.dirty, True
+        else:
+            e.grad = pool.acquire(numel, torch.float32)
+            e.grad.copy_(value.reshape(-1))
         if overlap:
             if self._lane is None:
                 self._lane = Lane(f"{u.context.transfers.name}-optimizer")
@@ -357,7 +366,8 @@ class OptimizerOverlap:
             return None
         opt = self._opt()
         valid = (opt is not None and not e.void and e.gv == u.grad_version and e.sv == u.state_version
-                 and u.grad_live() and u.grad_slot.present)
+                 and u.grad_live() and u.grad_slot.present
+                 and (not e.grad_borrowed or u.grad_slot.dirty is e.grad))  # evicted to disk: not ours to use
         if valid and e.speculative:
             valid = e.stepped and e.hp is not None and same_hyperparameters(
                 e.hp, _snapshot(opt.param_groups[e.gi]))
@@ -406,7 +416,7 @@ class OptimizerOverlap:
         for h in [e.master_read, *(h for _, h in e.states.values())]:
             if h is not None:
                 h.wait()  # a read in flight writes into the buffer: wait before it goes back
-        if e.grad is not None:
+        if e.grad is not None and not e.grad_borrowed:
             pool.release(e.grad)
         if e.master_read is not None and e.master is not None:  # pooled prefetch buffers (clones are not)
             pool.release(e.master)

@@ -169,6 +169,8 @@ class ParamHandle:
         # the copy forward/backward fetch; None: the master serves (see ``master_home``)
         self.param_copy: Optional[tiers.Slot] = None if shared else self._slot(pl.tier, "param", dtype, "param")
         self.grad_slot: tiers.Slot = self._slot(pl.master_tier, "grad", torch.float32, "grad")
+        if self.grad_slot.tier == "nvme":  # NVMe gradients kept in memory: up to what the optimizer streams
+            self.context.dirty.cap_bytes = pl.sub_group_bytes
         # optimizer moments of an NVMe optimizer tier live here (memory tiers use optimizer.state);
         # scalar entries (Adam's ``step``) stay in memory
         self.optim_slots: Dict[str, tiers.Slot] = {}
@@ -634,18 +636,20 @@ class ParamHandle:
             if owned and slot.adopt(shard):
                 counters = self.context.transfers.counters
                 counters["grad_adopted"] = counters.get("grad_adopted", 0) + 1
+            else:  # on NVMe kept in memory until evicted: the step usually reads it, zero_grad drops it
+                slot.set(shard, donate=owned, defer=True)
+            if slot.tier == "nvme":  # the slot's own deferred value, if kept, which a listener may borrow
+                self._grad_changed(slot.dirty if slot.dirty is not None else shard)
             else:
-                slot.set(shard, donate=owned)
-            self._grad_changed(shard if slot.tier == "nvme" else slot.resident())
+                self._grad_changed(slot.resident())
         elif slot.tier != "nvme":
             slot.resident().add_(shard.to(slot.device))
             self._grad_changed(slot.resident())
         else:  # read-modify-write: accumulation across micro-batches survives offload
-            acc = slot.pool.acquire(slot.numel, slot.dtype, slot.pin)
-            slot.get_async(out=acc)[1].wait()
+            acc = _read_into(slot)
             acc.add_(shard.to("cpu"))
-            self._grad_changed(acc)  # before the write takes the buffer over
-            slot.set(acc, donate=True, recycle=True)
+            self._grad_changed(acc)  # before the set: were acc written back at once, a flush recycles it
+            slot.set(acc, donate=True, recycle=True, defer=True)
 
     def _grad_changed(self, value: Optional[torch.Tensor]) -> None:
         """The gradient shard changed; ``value``: its new content in memory (the listener may copy it
@@ -694,10 +698,9 @@ class ParamHandle:
         if slot.tier != "nvme":
             slot.resident().mul_(factor)
         else:
-            acc = slot.pool.acquire(slot.numel, slot.dtype, slot.pin)
-            slot.get_async(out=acc)[1].wait()
+            acc = _read_into(slot)
             acc.mul_(factor)
-            slot.set(acc, donate=True, recycle=True)
+            slot.set(acc, donate=True, recycle=True, defer=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for t in self.tiles or ():
@@ -732,6 +735,14 @@ class ParamHandle:
 
 # -- fused Triton host<->device copies -------------------------------------------------------------
 fused_copies: Dict[str, int] = {"gather_cast": 0, "scatter_accumulate": 0}
+
+
+def _read_into(slot: tiers.Slot) -> torch.Tensor:
+    """An NVMe slot's value in a pool buffer of the caller's (read, or copied from memory)."""
+    acc, handle = slot.get_async(out=slot.pool.acquire(slot.numel, slot.dtype, slot.pin))
+    if handle is not None:
+        handle.wait()
+    return acc
 
 
 def drop_storage(t: torch.Tensor) -> None:

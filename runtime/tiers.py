@@ -5,6 +5,7 @@ the same code serves every combination of ``offload_params`` and ``offload_optim
 
     memory tier:  slot.get() -> the resident tensor (mutable in place); slot.set(t) copies into it
     nvme tier:    slot.get() -> a fresh CPU tensor read from disk;      slot.set(t) writes a new version
+                  slot.set(t, defer=True) keeps t in host memory, written only if evicted (write-back)
 
 A slot belongs to one model's ``RuntimeContext`` (``zinf_runtime.context``): its bytes are counted
 in that model's accounting, its NVMe IO goes through that context's swap engine (one per settings
@@ -191,6 +192,49 @@ class WriteTracker:
             self.bytes -= slot.nbytes
 
 
+class DirtyTracker:
+    """NVMe values held in host memory and not written yet (``Slot.set(..., defer=True)``), oldest
+    first (one tracker per model context). Over ``cap_bytes`` the oldest is written back.
+
+    Why: a gradient shard on an NVMe tier is usually read once, by the optimizer step that follows
+    the backward, and then dropped by ``zero_grad``. Writing it to disk and reading it back costs a
+    write and a read of every gradient byte per step, on IO threads that share the cores with
+    compute; kept in memory up to the cap (the sub-group the optimizer streams, by default), most
+    gradients never touch the disk. The cap bounds the host memory this holds."""
+
+    def __init__(self, cap_bytes: int = 256 << 20):
+        self.cap_bytes = cap_bytes
+        self._dirty: Dict["Slot", None] = {}
+        self.bytes = 0
+        self.peak_bytes = 0
+        self.written_back = 0  # values evicted to disk (for tests and reports)
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._dirty)
+
+    def track(self, slot: "Slot") -> None:
+        """``slot`` holds a deferred value now; write back the oldest ones while over the cap."""
+        with self._lock:
+            if slot not in self._dirty:
+                self._dirty[slot] = None
+                self.bytes += slot.nbytes
+        while True:
+            with self._lock:
+                if self.bytes <= self.cap_bytes or not self._dirty:
+                    self.peak_bytes = max(self.peak_bytes, self.bytes)
+                    return
+                oldest = next(iter(self._dirty))
+                self.written_back += 1
+            oldest.write_back()  # untracks it
+
+    def untrack(self, slot: "Slot") -> None:
+        with self._lock:
+            if self._dirty.pop(slot, False) is False:
+                return
+            self.bytes -= slot.nbytes
+
+
 pool = BufferPool()  # the default context's pool (direct runtime users)
 _default_writes = WriteTracker()
 
@@ -222,6 +266,8 @@ class Slot:
         self._written = False
         self._pending: Optional[SwapHandle] = None
         self._pending_buffer: Optional[torch.Tensor] = None  # a pool buffer the pending write reads
+        self._dirty: Optional[torch.Tensor] = None  # write-back: the value in host memory, not on disk yet
+        self._dirty_pooled = False  # _dirty is a pool buffer: back to the pool when discarded or written
         self.fence = hostsync.Fence()  # device work in flight on _mem
         self.version = 0  # bumped by every write and drop: a read started earlier is stale (runtime/carry.py)
 
@@ -240,7 +286,13 @@ class Slot:
 
     @property
     def present(self) -> bool:
-        return self._mem is not None or self._written
+        return self._mem is not None or self._written or self._dirty is not None
+
+    @property
+    def dirty(self) -> Optional[torch.Tensor]:
+        """The deferred value in host memory (``set(..., defer=True)``) or None. The slot owns it: a
+        reader may use it until the slot changes (its ``version``), and must not change or free it."""
+        return self._dirty
 
     def resident(self) -> Optional[torch.Tensor]:
         """The in-memory tensor of a memory-tier slot, safe for the host to read and write (None on
@@ -285,9 +337,12 @@ class Slot:
         self.accounting.add(self.tier, self.kind, self.nbytes)
         return True
 
-    def set(self, value: torch.Tensor, donate: bool = False, recycle: bool = False) -> None:
+    def set(self, value: torch.Tensor, donate: bool = False, recycle: bool = False, defer: bool = False) -> None:
         """Store ``value``. It is copied, unless ``donate``: then, on NVMe, the caller hands it over
-        and must not change it; with ``recycle`` it goes back to the pool once written."""
+        and must not change it; with ``recycle`` it goes back to the pool once written (or discarded).
+
+        ``defer`` (NVMe): keep the value in host memory and write it only when the context's
+        ``DirtyTracker`` evicts it; a ``drop`` first discards it unwritten (write-back)."""
         self.version += 1
         if self.tier != "nvme":
             if self._mem is None:
@@ -299,18 +354,42 @@ class Slot:
         data = value.detach().reshape(-1)
         if donate and data.device.type == "cpu" and data.dtype == self.dtype:
             # written from the caller's memory (or reshape's private copy, which is not recycled)
-            self._pending_buffer = data if (recycle and data.data_ptr() == value.data_ptr()) else None
+            pooled = recycle and data.data_ptr() == value.data_ptr()
         else:
             # into a pooled (page-aligned, so written without a bounce copy) buffer: the write is
             # asynchronous and the caller may change value afterwards, or value needs a move or a cast
             pin = self.pin and data.device.type != "cpu"  # a device -> host copy runs faster into pinned memory
             data = self.pool.acquire(self.numel, self.dtype, pin).copy_(data)
-            self._pending_buffer = data
-        if not self._written:
+            pooled = True
+        if not self.present:
             self.accounting.add("nvme", self.kind, self.nbytes)
+        self._discard_dirty()
+        if defer:
+            self._dirty, self._dirty_pooled = data, pooled
+            self.ctx.dirty.track(self)
+            return
+        self._write(data, pooled)
+
+    def _write(self, data: torch.Tensor, pooled: bool) -> None:
+        self._pending_buffer = data if pooled else None
         self._pending = self.swap.write(self.key, data)
         self._written = True
         self.ctx.writes.track(self)
+
+    def write_back(self) -> None:
+        """Start writing the deferred value (the dirty tracker evicts it); a no-op without one."""
+        data, pooled = self._dirty, self._dirty_pooled
+        self._dirty = None
+        self.ctx.dirty.untrack(self)
+        if data is not None:
+            self._write(data, pooled)
+
+    def _discard_dirty(self) -> None:
+        data, pooled = self._dirty, self._dirty_pooled
+        self._dirty = None
+        self.ctx.dirty.untrack(self)
+        if data is not None and pooled:
+            self.pool.release(data)
 
     def get(self) -> torch.Tensor:
         """The value: the resident tensor, or a fresh CPU tensor read from disk."""
@@ -321,12 +400,17 @@ class Slot:
 
     def get_async(self, out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[SwapHandle]]:
         """Start reading (NVMe) into ``out`` (default: a new tensor; take one from ``pool`` to reuse
-        memory); the tensor is valid once the handle's ``wait()`` returns."""
+        memory); the tensor is valid once the handle's ``wait()`` returns. The handle is None when
+        nothing is read: a memory tier (the resident tensor itself) or a deferred value (copied)."""
         if self.tier != "nvme":
             if self._mem is None:
                 raise RuntimeError(f"zinf: slot {self.key or self.kind} is empty")
             return self.resident(), None
         self.flush()  # a failed write (disk full) surfaces here, naming the path, not as a bad read
+        if self._dirty is not None:  # a deferred value: served from memory, no read
+            if out is None:
+                return self._dirty.clone(), None
+            return out.copy_(self._dirty), None
         if not self._written:
             raise RuntimeError(f"zinf: swap key {self.key} was never written")
         if out is None:
@@ -362,6 +446,10 @@ class Slot:
             self.fence.wait()  # pinned memory freed under a running kernel could be handed out again
             self.accounting.sub(self.tier, self.kind, self.nbytes)
             self._mem = None
+        if self._dirty is not None and not self._written:  # deferred, never written: nothing on disk
+            self._discard_dirty()
+            self.accounting.sub("nvme", self.kind, self.nbytes)
+        self._discard_dirty()
         if self._written:
             self._pending = None
             self._pending_buffer = None

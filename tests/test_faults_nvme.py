@@ -4,8 +4,9 @@ writes fail with ENOSPC from one point on (simulated at its ``_sys_open`` hook).
 What must hold: a clear error naming the NVMe path, the key and its parameter, and the fix; nothing
 already on disk lost. Where the failure lands decides what state remains (README-faults):
 
-* a gradient write (backward): ``optimizer.step()`` raises before it changes anything, so the model is
-  exactly as before the step; after freeing space, ``zero_grad()`` and redoing the step trains on as if
+* a gradient write (backward, for gradients past the write-back cap, ``tiers.DirtyTracker``; the
+  test sets the cap under one gradient so every gradient is written): ``optimizer.step()`` raises
+  before it changes anything, so the model is exactly as before the step; after freeing space, ``zero_grad()`` and redoing the step trains on as if
   nothing happened;
 * a master-weight write during ``optimizer.step()``: every parameter is either stepped or, for those
   whose write failed, at its value before the step (each swap file is replaced atomically, never torn);
@@ -52,10 +53,10 @@ def eager_states(steps: int) -> list[dict]:
     return states
 
 
-def setup(tmp_path):
+def setup(tmp_path, **extra):
     torch.manual_seed(0)
     model = MLP(DIMS)
-    opts = dict(compiler="eager", offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path))
+    opts = dict(compiler="eager", offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path), **extra)
     cmodel = torch.compile(model, backend="zinf", options=opts)
     return model, cmodel, torch.optim.SGD(model.parameters(), lr=0.05)
 
@@ -90,7 +91,7 @@ def check_message(exc: SwapSpaceError, tmp_path, kind: str) -> None:
 
 def test_disk_full_writing_gradients_loses_nothing_and_training_resumes(tmp_path, disk_full):
     want = eager_states(3)
-    model, cmodel, opt = setup(tmp_path)
+    model, cmodel, opt = setup(tmp_path, optimizer_sub_group_bytes=256)  # every gradient written back
     step_of(model, cmodel, opt, 0)
     disk_full["kind"] = "grad"
     cmodel(batch(1)).pow(2).sum().backward()

@@ -90,7 +90,10 @@ def test_steady_state_nvme_io_has_no_bounce_copies(params, tmp_path):
     cfg = GPTConfig(vocab=512, seq=16, layers=2, hidden=128, heads=4)
     torch.manual_seed(0)
     model = GPT(cfg)
-    cm = torch.compile(model, backend="zinf", options=opts(params, "nvme", tmp_path))
+    # sub-groups big enough that every gradient stays in memory (tiers.DirtyTracker's cap): written
+    # back past it, some parameters would move a gradient and others not
+    cm = torch.compile(model, backend="zinf", options=opts(params, "nvme", tmp_path,
+                                                           optimizer_sub_group_bytes=64 << 20))
     opt = zinf_compile.optim.AdamW(model.parameters(), lr=1e-4)
     before = eng = None
     for step in range(3):
@@ -109,6 +112,28 @@ def test_steady_state_nvme_io_has_no_bounce_copies(params, tmp_path):
     assert all(b <= 1 << 20 for b in sizes if b % 4096)
     share = sum(b for b in sizes if b % 4096) / sum(sizes)
     assert moved > 0 and copied <= share * moved, (copied, share * moved)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("params", ["cpu", "nvme"])
+@pytest.mark.parametrize("cap", ["all", "tiny"])
+def test_nvme_gradients_are_written_back_only_past_the_cap(params, cap, tmp_path):
+    """Write-back gradients (``tiers.DirtyTracker``): with sub-groups that hold every gradient, none
+    is written to the swap folder, the step reads them from memory; with a cap under one gradient,
+    each is written back and read from disk. Eager's numbers, bitwise, either way."""
+    from zinf_runtime.context import contexts_of
+
+    batches = [make_batch(CFG, 4, seed=i) for i in range(3)]
+    sub_group = 64 << 20 if cap == "all" else 256
+    run = train_pair(lambda: GPT(CFG), batches, opts(params, "nvme", tmp_path, optimizer_sub_group_bytes=sub_group))
+    assert_grads_equal(run)
+    assert_same_training(run, exact=True)
+    (ctx,) = contexts_of(run.model)
+    grad_files = list(tmp_path.rglob("k_*grad*"))
+    if cap == "all":
+        assert ctx.dirty.written_back == 0 and ctx.dirty.peak_bytes > 0 and not grad_files
+    else:
+        assert ctx.dirty.written_back > 0 and grad_files
 
 
 def test_placement_for_numel_rule():

@@ -592,3 +592,34 @@ def test_write_tracker_tells_slots_apart_by_identity(tmp_path):
         assert list(tracker._inflight) == [a] and tracker.bytes == 4096
         tracker.untrack(a)
         assert len(tracker) == 0 and tracker.bytes == 0
+
+
+def test_deferred_set_is_written_only_when_evicted(tmp_path):
+    """``Slot.set(..., defer=True)`` (write-back): the value stays in host memory and reads are served
+    from it; ``drop`` discards it without any write; past the context's ``DirtyTracker`` cap the
+    oldest deferred value is written back, and reads then come from disk with the same bytes."""
+    from zinf_runtime import tiers
+    from zinf_runtime.context import RuntimeContext
+
+    ctx = RuntimeContext(name="write-back test")
+    ctx.dirty.cap_bytes = 2 * 4096
+    with SwapEngine(small_cfg(tmp_path)) as e:
+        a, b, c = (tiers.Slot("nvme", "grad", 1024, torch.float32, torch.device("cpu"), swap=e, key=k, ctx=ctx)
+                   for k in "abc")
+        va, vb, vc = (torch.randn(1024) for _ in range(3))
+        a.set(va, defer=True)
+        b.set(vb.clone(), donate=True, defer=True)
+        assert a.present and a.dirty is not None and e.stats()["writes"] == 0
+        assert torch.equal(a.get(), va) and torch.equal(b.get_async(out=torch.empty(1024))[0], vb)
+        assert e.stats()["reads"] == 0 and ctx.dirty.bytes == 2 * 4096
+        b.drop()  # discarded, never written
+        assert not b.present and ctx.dirty.bytes == 4096 and not e.exists("b")
+        b.set(vb, defer=True)
+        c.set(vc, defer=True)  # over the cap: the oldest (a) goes to disk
+        assert a.dirty is None and ctx.dirty.written_back == 1 and ctx.dirty.bytes == 2 * 4096
+        a.flush()
+        assert e.stats()["writes"] == 1 and torch.equal(a.get(), va) and e.stats()["reads"] == 1
+        for s in (a, b, c):
+            s.drop()
+        assert ctx.dirty.bytes == 0 and len(ctx.dirty) == 0
+        assert ctx.accounting.stats()["nvme"]["grad"]["current"] == 0

@@ -128,6 +128,24 @@ class Step:
     target: str
 
 
+def _deferred_grads(ivs: List["Interval"], cap: int) -> set:
+    """The parameters whose NVMe gradient stays in host memory, never written (``tiers.DirtyTracker``):
+    gradients are kept in the order they are reduced while their bytes fit under ``cap``; past it
+    the oldest are written back. A kept gradient's write buffer lives to the end of the step, the
+    optimizer step reads it from memory, and it has no file."""
+    grads = sorted((iv for iv in ivs if iv.role == "write_buffer"), key=lambda iv: iv.start)
+    if not all(isinstance(iv.nbytes, int) for iv in grads):
+        return set()  # symbolic sizes: the upper bound, every gradient written
+    kept: List[Interval] = []
+    held = 0
+    for iv in grads:
+        kept.append(iv)
+        held += iv.nbytes
+        while held > cap and kept:
+            held -= kept.pop(0).nbytes
+    return {iv.param for iv in kept if iv.param is not None}
+
+
 def _cap_write_buffers(ivs: List["Interval"]) -> List["Interval"]:
     """NVMe write buffers as the runtime keeps them: once more than ``WRITE_INFLIGHT_CAP`` bytes of
     writes are in flight, the oldest is waited for (``tiers.WriteTracker``), so its host buffer ends
@@ -244,6 +262,7 @@ class _Builder:
     def __init__(self, optimizer: Optional[str], hold_saved: bool = True):
         self.hold_saved = hold_saved
         self.reuse_files = False  # from the records' config (_runtime_nodes)
+        self.dirty_cap = 0
         self.stage_last: Dict[Tuple[int, str], int] = {}
         if optimizer not in _OPTIM_BYTES:
             raise ValueError(f"memory_plan: optimizer {optimizer!r} unknown; choose one of {list(_OPTIM_BYTES)}")
@@ -377,6 +396,7 @@ class _Builder:
     def _runtime_nodes(self, rec: CompileRecord, stage: str, nodes: List[torch.fx.Node],
                        pos: Dict[torch.fx.Node, int], carried_from: Optional[int] = None) -> None:
         self.reuse_files = rec.config.nvme_reuse_files
+        self.dirty_cap = rec.config.optimizer_sub_group_bytes  # write-back gradients (tiers.DirtyTracker)
         cfg_tier = TIER_OF[rec.config.offload_params]  # the parameter copy that fetches read
         cfg_otier = TIER_OF[rec.config.offload_optimizer]  # fp32 master, gradient shard, optimizer state
         for n in nodes:
@@ -484,7 +504,7 @@ class _Builder:
             shard_numel = _expr(grad.meta["val"].numel()) if "val" in grad.meta else 0
         self._once(("grad", uid), Interval(f"{stage}:{n.name}", otier, "grad", "shard", 4 * shard_numel,
                                            pos[n], self.END, "end", (), param))
-        if otier == "nvme":  # the asynchronous write's source: a host copy of the shard, live until written
+        if otier == "nvme":  # a host copy of the shard: kept unwritten (write-back) or the write's source
             self._once(("wbuf", uid), Interval(f"{stage}:{n.name}", "cpu", "staging", "write_buffer",
                                                4 * shard_numel, pos[n], self.END, "end", (), param))
         per_el, per_param = self.optim
@@ -580,8 +600,11 @@ class _Builder:
                                 tuple(f"{m.key[1]}:{m.name}" for m in members if m is not root),
                                 z.get("param")))
         rewritten = {iv.param for iv in self.extra if iv.tier == "nvme" and iv.kind == "grad"}
-        out += _cap_write_buffers([dataclasses.replace(iv, end=fix(iv.end), files=self._files(iv, rewritten))
-                                   for iv in self.extra])
+        kept = _deferred_grads(self.extra, self.dirty_cap)
+        extra = [dataclasses.replace(iv, end=fix(iv.end), files=0 if iv.kind == "grad" and iv.param in kept
+                                     else self._files(iv, rewritten)) for iv in self.extra]
+        written = [iv for iv in extra if not (iv.role == "write_buffer" and iv.param in kept)]
+        out += [iv for iv in extra if iv.role == "write_buffer" and iv.param in kept] + _cap_write_buffers(written)
         out.sort(key=lambda iv: (iv.start, iv.name))
         return MemoryPlan(self.steps, out, dict(self.symbols), graphs)
 
@@ -717,9 +740,10 @@ class MemoryPlan:
         """Peak bytes of the NVMe tier's files on disk in steady training: each shard's file is padded to
         the swap engine's O_DIRECT alignment (4096 bytes), and with ``nvme_reuse_files`` (the default) a
         shard rewritten every step has two files (its current version and the spare its next write
-        overwrites). A gradient counts two as well, which it keeps only while it is accumulated
-        over several backwards: ``zero_grad`` leaves one file, which the next backward overwrites in
-        place. So this is the peak ``du`` of the swap folder from the second step on (one backward
+        overwrites). A gradient kept in memory (``_deferred_grads``: all of them while they fit under
+        ``optimizer_sub_group_bytes``) has none; one written back counts two, which it keeps only
+        while it is accumulated over several backwards: ``zero_grad`` leaves one file, which the next
+        backward overwrites in place. So this is the peak ``du`` of the swap folder from the second step on (one backward
         per step: less one file per gradient), not the payload that ``peak("nvme")`` and the
         runtime's accounting count."""
         diff: List[Bytes] = [0] * (len(self.steps) + 1)
