@@ -56,7 +56,8 @@ class Config:
         space of keys rewritten every step; False: one file per key, each write a new file renamed
         over the old. Either way a failed write leaves the key's current version intact.
     optimizer_sub_group_bytes: state bytes (16 per parameter: master, gradient, two moments) an
-        NVMe optimizer steps at a time; bounds its host memory.
+        NVMe optimizer steps at a time; bounds its host memory. Also the host bytes of NVMe-bound
+        gradients kept in memory for the step instead of written (``zinf_runtime.tiers.DirtyTracker``).
     nvme_min_shard_bytes: a parameter whose fp32 shard (1/dp of it) is smaller than this keeps its
         NVMe-tier states (parameter copy, master, gradient, moments) in CPU memory instead, 16 bytes
         of RAM per element: each state on NVMe is a file and a request per step, whose fixed cost
