@@ -303,7 +303,7 @@ class OptimizerOverlap:
                 shadow.set(master, donate=True, recycle=True)
                 e.shadows["master"] = shadow
             else:
-                e.master = master  # committed by a copy into the master (OptimizerOverlap.commit_master)
+                e.master = master  # committed by a copy into the master (ShardedOptimizerMixin._commit_shadows)
             for name, value in new.items():
                 if torch.is_tensor(value) and value.numel() == u.shard_numel:
                     cur = u.optim_slots.get(name)
