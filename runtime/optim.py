@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from . import accounting, comm, optim_overlap, store, transfer
+from .packed_state import is_per_element
 from .tiers import Slot
 
 
@@ -195,11 +196,9 @@ class ShardedOptimizerMixin:
         else:
             u.master.set(e.master)
             e.master = None
-        for name, slot in e.shadows.items():
-            prev = u.optim_slots.get(name)
-            u.optim_slots[name] = slot
-            if prev is not None:
-                prev.drop(keep_file=True)
+        slot = e.shadows.pop("optim", None)
+        if slot is not None:
+            u.optim_state.adopt(slot, e.shadow_layout)
         e.shadows = {}
         u.optim_small.update(e.new_state)
         e.new_state = {}
@@ -252,10 +251,10 @@ class ShardedOptimizerMixin:
                 e = ready.pop(u.uid, None)
                 if e is not None:  # prefetched during backward; its buffers are the step's from here
                     ov.consumed(e)  # type: ignore[union-attr]
-                    handles = [h for h in (e.master_read, *(h for _, h in e.states.values())) if h]
+                    handles = [h for h in (e.master_read, e.state_read) if h]
                     master = e.master if e.master is not None else u.master.resident()
                     grad = e.grad if not e.grad_borrowed else _Borrowed(e.grad)
-                    out.append((gi, u, master, grad, dict(e.states), handles))
+                    out.append((gi, u, master, grad, e.state_buf, handles))
                     continue
                 # a master in memory (store.master_home) is stepped in place: no read, no write
                 master, hm = read(u.master) if u.master.tier == "nvme" else (u.master.resident(), None)
@@ -265,8 +264,9 @@ class ShardedOptimizerMixin:
                     grad, hg = read(u.grad_slot)
                 else:  # zeroed in place (zero_grad(set_to_none=False)): step with zeros, as eager does
                     grad, hg = u.grad_slot.pool.acquire(u.grad_slot.numel, u.grad_slot.dtype).zero_(), None
-                st = {k: read(slot) for k, slot in u.optim_slots.items()}
-                out.append((gi, u, master, grad, st, [h for h in (hm, hg, *(h for _, h in st.values())) if h]))
+                # the moments: one packed read (runtime/packed_state.py)
+                buf, hs = u.optim_state.read_async(u.context.pool) if u.optim_state.present else (None, None)
+                out.append((gi, u, master, grad, buf, [h for h in (hm, hg, hs) if h]))
             return out
 
         pending = load(groups[0])
@@ -275,11 +275,11 @@ class ShardedOptimizerMixin:
             for k in range(len(groups)):
                 current, pending = pending, (load(groups[k + 1]) if k + 1 < len(groups) else [])
                 lists: List[list] = [[] for _ in self.param_groups]
-                for gi, u, master, grad, st, handles in current:
+                for gi, u, master, grad, buf, handles in current:
                     for h in handles:
                         h.wait()
                     master.grad = grad.t if isinstance(grad, _Borrowed) else grad
-                    state = {name: t for name, (t, _) in st.items()}
+                    state = u.optim_state.views(buf)  # torch steps these views of the read buffer in place
                     state.update(u.optim_small)
                     if state:
                         self.state[master] = state
@@ -287,26 +287,26 @@ class ShardedOptimizerMixin:
                 for g, lst in zip(self.param_groups, lists):
                     g["params"] = lst
                 base_step(type(self))(self)
-                for gi, u, master, grad, st, _ in current:
+                for gi, u, master, grad, buf, _ in current:
                     master.grad = None
                     if not isinstance(grad, _Borrowed):  # the slot's own value stays the slot's
                         u.grad_slot.pool.release(grad)
                     u.master_updated(master)
                     if u.master.tier == "nvme":
                         u.master.set(master, donate=True, recycle=True)  # buffers return once written
+                    per_el = {}
                     for name, value in self.state.pop(master, {}).items():
-                        if torch.is_tensor(value) and value.numel() == u.shard_numel:
-                            if name not in u.optim_slots:
-                                u.optim_slots[name] = u._slot("nvme", "optim", value.dtype, f"optim.{name}")
-                            u.optim_slots[name].set(value, donate=True, recycle=True)
+                        if is_per_element(value, u.shard_numel):
+                            per_el[name] = value
                         else:
                             u.optim_small[name] = value
+                    u.optim_state.store(per_el, u.context.pool, buf)  # buf (stepped in place) is written
                     written.append(u)
         finally:
             for g, lst in zip(self.param_groups, originals):
                 g["params"] = lst
         for u in written:  # surface write errors (e.g. a full disk) here, naming the path
-            for slot in (u.master, u.param_copy, *u.optim_slots.values()):
+            for slot in (u.master, u.param_copy, u.optim_state.slot):
                 if slot is not None:
                     slot.flush()
 
@@ -361,7 +361,7 @@ class ShardedOptimizerMixin:
                 continue
             states = []
             for u in h.units():
-                st = {name: slot.get().clone() for name, slot in u.optim_slots.items() if slot.present}
+                st = {k: v.clone() for k, v in u.optim_state.get().items()}  # each its own storage, as eager's
                 st.update({k: (v.clone() if torch.is_tensor(v) else v) for k, v in u.optim_small.items()})
                 states.append(st)
             if any(states):
@@ -421,13 +421,13 @@ class ShardedOptimizerMixin:
             out[name] = v
         if u.placement.master_tier == "nvme":
             u.optim_small.clear()
+            per_el = {}
             for name, v in out.items():
-                if torch.is_tensor(v) and v.dim() > 0:
-                    if name not in u.optim_slots:
-                        u.optim_slots[name] = u._slot("nvme", "optim", v.dtype, f"optim.{name}")
-                    u.optim_slots[name].set(v.contiguous())
+                if torch.is_tensor(v) and v.dim() > 0:  # shard_numel elements (checked above)
+                    per_el[name] = v
                 else:
                     u.optim_small[name] = v
+            u.optim_state.store(per_el, u.context.pool)  # packed into one file (runtime/packed_state.py)
             return {}
         return out
 

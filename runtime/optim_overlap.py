@@ -63,7 +63,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from . import tiers
+from . import packed_state, tiers
 from .transfer import Job, Lane
 
 #: optimizer tiers each feature applies to
@@ -145,14 +145,16 @@ class Entry:
         self.grad: Optional[torch.Tensor] = None
         self.grad_borrowed = False  # grad is the gradient slot's own deferred value (Slot.dirty), not a copy
         self.master: Optional[torch.Tensor] = None
-        self.states: Dict[str, tuple] = {}  # prefetch: name -> (buffer, read handle)
+        self.state_buf: Optional[torch.Tensor] = None  # prefetch: the packed moments' buffer ...
+        self.state_read: Any = None  # ... and its read handle (runtime/packed_state.py)
         self.master_read: Any = None
         self.hp: Optional[Dict[str, Any]] = None
         self.job: Optional[Job] = None
         self.void = False  # dropped: whoever finishes last releases
         self.stepped = False
         self.new_state: Dict[str, Any] = {}  # CPU tier: the stepped state; NVMe: small entries
-        self.shadows: Dict[str, tiers.Slot] = {}  # NVMe tier: "master" and moment names
+        self.shadows: Dict[str, tiers.Slot] = {}  # NVMe tier: "master" and "optim" (the packed moments)
+        self.shadow_layout: Optional[packed_state.Layout] = None  # the "optim" shadow's layout
         self.released = False
         self.finished = False  # the worker is done with it (set under the overlap's lock)
         self.speculative = False  # handed to the worker (set before it is submitted)
@@ -225,8 +227,7 @@ class OptimizerOverlap:
         # a prefetch borrows a gradient the slot keeps in memory (write-back, tiers.DirtyTracker counts it)
         borrow = not overlap and tier == "nvme" and value is u.grad_slot.dirty
         if tier == "nvme":  # the gradient copy, the master's (read, or copied to step on) and the moments
-            present = [s for s in u.optim_slots.values() if s.present]
-            nbytes = 4 * numel * 2 + sum(s.nbytes for s in present)
+            nbytes = 4 * numel * 2 + u.optim_state.nbytes
             if not overlap and u.master.tier != "nvme":
                 nbytes -= 4 * numel  # a prefetch leaves a master in memory where it is (store.master_home)
             if borrow:
@@ -257,9 +258,8 @@ class OptimizerOverlap:
         else:  # prefetch (NVMe): start the reads of the master and the moments now
             if u.master.tier == "nvme":  # else the step uses the master in memory as it is
                 e.master, e.master_read = u.master.get_async(out=pool.acquire(numel, torch.float32))
-            for name, slot in u.optim_slots.items():
-                if slot.present:
-                    e.states[name] = slot.get_async(out=pool.acquire(slot.numel, slot.dtype))
+            if u.optim_state.present:
+                e.state_buf, e.state_read = u.optim_state.read_async(pool)
             self.stats["prefetched"] += 1
 
     def _speculate(self, e: Entry) -> None:
@@ -285,14 +285,13 @@ class OptimizerOverlap:
             on_disk = u.master.tier == "nvme"  # else a master in memory (store.master_home): stepped on a copy
             master, hm = (u.master.get_async(out=pool.acquire(u.shard_numel, torch.float32)) if on_disk
                           else (u.master.resident().clone(), None))
-            reads = {name: slot.get_async(out=pool.acquire(slot.numel, slot.dtype))
-                     for name, slot in u.optim_slots.items() if slot.present}
+            ps = u.optim_state
+            buf, hs = ps.read_async(pool) if ps.present else (None, None)
             if hm is not None:
                 hm.wait()
-            state: Dict[str, Any] = {}
-            for name, (t, h) in reads.items():
-                h.wait()
-                state[name] = t
+            if hs is not None:
+                hs.wait()
+            state: Dict[str, Any] = ps.views(buf)  # stepped in place (runtime/packed_state.py)
             state.update({k: (v.clone() if torch.is_tensor(v) else v) for k, v in u.optim_small.items()})
             new = step_on_copies(opt, e.gi, hp, master, e.grad, state)
             ctx = _PrivateWrites(u.context)
@@ -304,16 +303,19 @@ class OptimizerOverlap:
                 e.shadows["master"] = shadow
             else:
                 e.master = master  # committed by a copy into the master (ShardedOptimizerMixin._commit_shadows)
+            per_el = {}
             for name, value in new.items():
-                if torch.is_tensor(value) and value.numel() == u.shard_numel:
-                    cur = u.optim_slots.get(name)
-                    key = _other_key(cur.key) if cur is not None else f"u{u.uid}.optim.{name}"
-                    s = tiers.Slot("nvme", "optim", u.shard_numel, value.dtype, torch.device("cpu"), swap,
-                                   key, u.grad_slot.pin, ctx)  # type: ignore[arg-type]
-                    s.set(value, donate=True, recycle=name in reads)
-                    e.shadows[name] = s
+                if packed_state.is_per_element(value, u.shard_numel):
+                    per_el[name] = value
                 else:
                     e.new_state[name] = value
+            if per_el:  # the moments, packed (in place when stepped in the read buffer) into a shadow
+                layout, data = ps.pack(per_el, pool, buf)
+                s = ps.new_slot(layout, _other_key(ps.slot.key) if ps.slot is not None else ps.key, ctx)
+                s.set(data, donate=True, recycle=True)
+                e.shadows["optim"], e.shadow_layout = s, layout
+            elif buf is not None:
+                pool.release(buf)
             for s in e.shadows.values():
                 s.flush()  # the disk has them (errors surface here); their buffers are back in the pool
             pool.release(e.grad)
@@ -413,19 +415,20 @@ class OptimizerOverlap:
             self.held_bytes -= e.nbytes
             e.nbytes = 0
         pool = e.unit.context.pool
-        for h in [e.master_read, *(h for _, h in e.states.values())]:
+        for h in (e.master_read, e.state_read):
             if h is not None:
                 h.wait()  # a read in flight writes into the buffer: wait before it goes back
         if e.grad is not None and not e.grad_borrowed:
             pool.release(e.grad)
         if e.master_read is not None and e.master is not None:  # pooled prefetch buffers (clones are not)
             pool.release(e.master)
-        for t, _ in e.states.values():
-            pool.release(t)
+        if e.state_buf is not None:
+            pool.release(e.state_buf)
         for s in e.shadows.values():
             s.drop(keep_file=True)  # the unit's next speculation writes this key again: overwrite its file
         e.grad = e.master = None
-        e.states, e.shadows, e.new_state = {}, {}, {}
+        e.state_buf = e.state_read = None
+        e.shadows, e.new_state = {}, {}
 
 
 def _other_key(key: str) -> str:

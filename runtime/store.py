@@ -28,6 +28,7 @@ from . import accounting, broadcast, comm, hostsync, tiers, triton_copy
 from .context import DEFAULT, RuntimeContext, resolve_context
 from .eager_access import DATA_FREE, NOT_SERVED, PartitionedDataError, eager_call  # noqa: F401 (re-exported)
 from .grads import ShardedGrad
+from .packed_state import PackedState
 from .swap import SwapConfig, SwapHandle
 
 UID_ATTR = "_zinf_uid"
@@ -171,9 +172,9 @@ class ParamHandle:
         self.grad_slot: tiers.Slot = self._slot(pl.master_tier, "grad", torch.float32, "grad")
         if self.grad_slot.tier == "nvme":  # NVMe gradients kept in memory: up to what the optimizer streams
             self.context.dirty.cap_bytes = pl.sub_group_bytes
-        # optimizer moments of an NVMe optimizer tier live here (memory tiers use optimizer.state);
-        # scalar entries (Adam's ``step``) stay in memory
-        self.optim_slots: Dict[str, tiers.Slot] = {}
+        # optimizer moments of an NVMe optimizer tier live here, packed in one file (memory tiers use
+        # optimizer.state); scalar entries (Adam's ``step``) stay in memory
+        self.optim_state = PackedState(self)
         self.optim_small: Dict[str, torch.Tensor] = {}
         lo = self.shard_lo
         own = flat[lo : min(lo + self.shard_numel, self.numel)]
@@ -219,7 +220,7 @@ class ParamHandle:
             return self.tiles
         if self.grad_slot.present:
             raise RuntimeError(f"zinf: cannot tile {self.name} while it holds an accumulated gradient")
-        if self.optim_slots or self.optim_small:  # re-tiling would drop the NVMe moments silently
+        if self.optim_state.present or self.optim_small:  # re-tiling would drop the NVMe moments silently
             raise RuntimeError(f"zinf: cannot tile {self.name}: it already holds optimizer state (stepped, or "
                                "loaded from a checkpoint before its first call); load after the first call")
         full = self._full_flat().view(self.shape)
@@ -720,11 +721,11 @@ class ParamHandle:
 
     def _drop_data(self) -> None:
         self._drop_compute()
-        for slot in (self.master, self.param_copy, self.grad_slot, *self.optim_slots.values()):
+        for slot in (self.master, self.param_copy, self.grad_slot):
             if slot is not None:
                 slot.drop()
         self.master = self.param_copy = None
-        self.optim_slots.clear()
+        self.optim_state.drop()
 
     def _free(self) -> None:
         self._drop_data()

@@ -331,15 +331,15 @@ def test_nvme_plan_counts_files_on_nvme_and_host_buffers_on_cpu(cap, tmp_path):
     params = list(model.parameters())
     fp32 = sum(p.numel() * 4 for p in params)
     assert plan.peak("nvme", "param") == fp32 and plan.peak("nvme", "grad") == fp32  # dp 1: shard = parameter
-    assert plan.peak("nvme", "optim") == 2 * fp32  # exp_avg, exp_avg_sq
+    assert plan.peak("nvme", "optim") == 2 * fp32  # exp_avg, exp_avg_sq (packed in one file per parameter)
     assert plan.peak("cpu", "param") == plan.peak("cpu", "grad") == 0
     assert plan.peak("cpu", "optim") == 4 * len(params)  # one fp32 ``step`` per parameter, in memory
     assert plan.peak("device", "param") == plan.peak("device", "grad") == 0
     assert plan.peak("cpu", "staging") > 0  # reads land in host buffers; writes send host copies
     assert all(iv.role in ("read_buffer", "write_buffer") for iv in plan.intervals if iv.kind == "staging")
     pad = lambda n: -(-n // 4096) * 4096  # noqa: E731
-    # steady training: master, gradient (if written) and two moments each in two files (the spare)
-    assert plan.nvme_file_bytes() == sum((6 + 2 * g) * pad(p.numel() * 4) for p in params)
+    # steady training: master, gradient (if written) and the packed moments each in two files (the spare)
+    assert plan.nvme_file_bytes() == sum((2 + 2 * g) * pad(p.numel() * 4) + 2 * pad(p.numel() * 8) for p in params)
 
     before = _shard_bytes()
     cm = torch.compile(model, backend="zinf", options={"compiler": "eager", **opts})
@@ -353,17 +353,17 @@ def test_nvme_plan_counts_files_on_nvme_and_host_buffers_on_cpu(cap, tmp_path):
     assert after[("cpu", "param")] == before[("cpu", "param")]
     assert after[("cpu", "grad")] == before[("cpu", "grad")]
     files = _swap_files(str(tmp_path / "run"))  # a measurement: what is on disk
-    assert len(files) == (4 + g) * len(params)  # one step: only the master was rewritten (written at partition)
+    assert len(files) == (3 + g) * len(params)  # one step: only the master was rewritten (written at partition)
     cm(x, y).backward()  # accumulated: the gradient is rewritten too
     opt.step()  # the second step: every key rewritten once at least, so each has its spare
     files = _swap_files(str(tmp_path / "run"))
-    assert len(files) == (6 + 2 * g) * len(params)
+    assert len(files) == (4 + 2 * g) * len(params)
     assert sum(files.values()) == plan.nvme_file_bytes()  # the plan's steady state is this peak
     opt.zero_grad()  # a gradient's file stays for the next backward to overwrite; its spare goes
     cm(x, y).backward()
     opt.step()
     files = _swap_files(str(tmp_path / "run"))
-    assert len(files) == (6 + g) * len(params) and sum(files.values()) <= plan.nvme_file_bytes()
+    assert len(files) == (4 + g) * len(params) and sum(files.values()) <= plan.nvme_file_bytes()
     del cm, opt
     torch._dynamo.reset()
 
@@ -384,8 +384,8 @@ def test_small_shards_stay_in_cpu_memory_in_plan_and_on_disk(tmp_path):
     assert plan.peak("cpu", "param") == sum(p.numel() * 4 for p in small)
     assert plan.peak("cpu", "optim") == sum(p.numel() * 8 for p in small) + 4 * len(params)  # + Adam's steps
     pad = lambda n: -(-n // 4096) * 4096  # noqa: E731
-    # master and moments, two files each; the gradients stay in memory (write-back, under the cap)
-    assert plan.nvme_file_bytes() == sum(6 * pad(p.numel() * 4) for p in big)
+    # master and packed moments, two files each; the gradients stay in memory (write-back, under the cap)
+    assert plan.nvme_file_bytes() == sum(2 * pad(p.numel() * 4) + 2 * pad(p.numel() * 8) for p in big)
 
     cm = torch.compile(model, backend="zinf", options={"compiler": "eager", **opts})
     opt = zinf_compile.optim.AdamW(model.parameters(), lr=1e-3)
@@ -393,7 +393,7 @@ def test_small_shards_stay_in_cpu_memory_in_plan_and_on_disk(tmp_path):
         cm(x, y).backward()
         opt.step()
     files = _swap_files(str(tmp_path / "run"))
-    assert len(files) == 6 * len(big)
+    assert len(files) == 4 * len(big)
     assert sum(files.values()) == plan.nvme_file_bytes()
     tiers = {(p.numel() * 4 < 1024, zinf_runtime.handle_of(p).placement.tier,
               zinf_runtime.handle_of(p).placement.master_tier) for p in params}

@@ -49,7 +49,9 @@ def test_all_offload_combinations_match_eager(params, optim, tmp_path):
         assert bool(list(tmp_path.rglob("k_*master*"))) == (not master_in_copy)
     if optim == "nvme":
         assert nvme["optim"]["current"] > 0  # Adam moments live on disk, not in optimizer.state
-        assert len(h.optim_slots) == 2
+        assert h.optim_state.names == ("exp_avg", "exp_avg_sq")  # packed in one file: one read, one write
+        assert not list(tmp_path.rglob("k_*exp_avg*"))
+        assert len(list(tmp_path.rglob(f"k_u{h.uid}%2Eoptim.[ab]"))) == 2  # the current file and its spare
 
 
 @pytest.mark.parity

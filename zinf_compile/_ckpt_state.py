@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 import zinf_runtime
+from zinf_runtime.packed_state import PackedField, reader
 from zinf_runtime.store import ParamHandle
 from zinf_runtime.tiers import Slot
 
@@ -38,27 +39,20 @@ def buffers_of(mod: torch.nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def per_element(v: Any, shard_numel: int) -> bool:
-    return isinstance(v, Slot) or (torch.is_tensor(v) and v.dim() > 0 and v.numel() == shard_numel)
+    return isinstance(v, (Slot, PackedField)) or (torch.is_tensor(v) and v.dim() > 0 and v.numel() == shard_numel)
 
 
 def unit_states(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter, h: ParamHandle) -> List[Dict[str, Any]]:
-    """This rank's optimizer state of each unit of ``h``: tensors (memory tiers), Slots (NVMe), scalars."""
+    """This rank's optimizer state of each unit of ``h``: tensors (memory tiers), packed fields (NVMe), scalars."""
     units = h.units()
     if h.placement.master_tier == "nvme":
-        return [{**u.optim_small, **{k: s for k, s in u.optim_slots.items() if s.present}} for u in units]
+        return [{**u.optim_small, **u.optim_state.fields()} for u in units]
     st = optimizer.state.get(p) if p in optimizer.state else None
     if not st:
         return [{} for _ in units]
     if len(units) == 1:
         return [st]
     return list(st["tiles"])
-
-
-def _reader(v: Any):
-    """``Piece.start`` of a slot (an NVMe read in flight, or the resident tensor) or of a tensor."""
-    if isinstance(v, Slot):
-        return v.get_async
-    return lambda: (v, None)
 
 
 def build_save_state(mod: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: Any,
@@ -81,7 +75,7 @@ def build_save_state(mod: torch.nn.Module, optimizer: Optional[torch.optim.Optim
         for i, u in enumerate(h.units()):
             key, numel, base = unit_key(fqn, h, i)
             lo, n = owned(u)
-            pieces.append(Piece(f"model/{key}", numel, base + lo, n, _reader(u.master)))
+            pieces.append(Piece(f"model/{key}", numel, base + lo, n, reader(u.master)))
     for k, b in buffers_of(mod).items():
         state[f"model/{k}"] = b.detach()
     meta: Dict[str, Any] = {"version": version, "world": world, "params": layout, "param_groups": None, "small": {}}
@@ -115,7 +109,7 @@ def build_save_state(mod: torch.nn.Module, optimizer: Optional[torch.optim.Optim
                 small = {}
                 for name, v in st.items():
                     if per_element(v, u.shard_numel):
-                        pieces.append(Piece(f"optim/{key}/{name}", numel, base + lo, n, _reader(v)))
+                        pieces.append(Piece(f"optim/{key}/{name}", numel, base + lo, n, reader(v)))
                     else:
                         small[name] = v.detach().cpu().clone() if torch.is_tensor(v) else v
                 smalls.append(small)

@@ -511,10 +511,10 @@ class _Builder:
         if per_el and otier != "nvme":
             self._once(("optim", uid), Interval(f"optim:{param}", otier, "optim", "shard",
                                                 per_el * shard_numel + per_param, 0, self.END, "end", (), param))
-        elif per_el:  # on NVMe: one file per fp32 moment; Adam's ``step`` stays in memory (optim_small)
-            for m in range(per_el // 4):
-                self._once(("optim", uid, m), Interval(f"optim:{param}", otier, "optim", "shard",
-                                                       4 * shard_numel, 0, self.END, "end", (), param))
+        elif per_el:  # on NVMe: the fp32 moments packed in one file (runtime/packed_state.py); Adam's
+            # ``step`` stays in memory (optim_small)
+            self._once(("optim", uid), Interval(f"optim:{param}", otier, "optim", "shard",
+                                                per_el * shard_numel, 0, self.END, "end", (), param))
             if per_param:
                 self._once(("optim_small", uid), Interval(f"optim:{param}", "cpu", "optim", "scalar",
                                                           per_param, 0, self.END, "end", (), param))
