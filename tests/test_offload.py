@@ -177,6 +177,30 @@ def test_nvme_streaming_uses_several_sub_groups(tmp_path):
     assert engine.dir.startswith(str(tmp_path)) and oct(os.stat(engine.dir).st_mode & 0o777) == "0o700"
 
 
+@pytest.mark.parity
+@pytest.mark.parametrize("params", ["cpu", "nvme"])
+def test_nvme_step_in_slices_matches_eager(params, tmp_path, monkeypatch):
+    """The streamed step runs torch's step on a loaded sub-group a slice at a time
+    (``STEP_SLICE_BYTES``), so a slice's writes go out while the next one steps. One unit per slice
+    still trains bitwise like eager."""
+    import zinf_runtime.optim as zoptim
+
+    real, seen = zoptim._slices, []
+
+    def spy(items, nbytes):
+        seen.append(real(items, nbytes))
+        return seen[-1]
+
+    monkeypatch.setattr(zoptim, "STEP_SLICE_BYTES", 1)
+    monkeypatch.setattr(zoptim, "_slices", spy)
+    batches = [make_batch(CFG, 4, seed=i) for i in range(3)]
+    run = train_pair(lambda: GPT(CFG), batches, opts(params, "nvme", tmp_path, optimizer_sub_group_bytes=64 << 20))
+    assert_grads_equal(run)
+    assert_same_training(run, exact=True)
+    n_units = len(list(run.model.parameters()))
+    assert len(seen) == 3 and all(len(r) == n_units and all(len(s) == 1 for s in r) for r in seen)
+
+
 def test_bad_nvme_path_fails_at_compile_naming_it(tmp_path):
     missing = tmp_path / "absent"
     with pytest.raises(ValueError, match="absent"):
