@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from . import accounting, comm, optim_overlap, store, transfer
-from .packed_state import is_per_element
+from .packed_state import split_state
 from .tiers import Slot
 
 
@@ -296,12 +296,8 @@ class ShardedOptimizerMixin:
                         u.master_updated(master)
                         if u.master.tier == "nvme":
                             u.master.set(master, donate=True, recycle=True)  # buffers return once written
-                        per_el = {}
-                        for name, value in self.state.pop(master, {}).items():
-                            if is_per_element(value, u.shard_numel):
-                                per_el[name] = value
-                            else:
-                                u.optim_small[name] = value
+                        per_el, small = split_state(self.state.pop(master, {}), u.shard_numel)
+                        u.optim_small.update(small)
                         u.optim_state.store(per_el, u.context.pool, buf)  # buf (stepped in place) is written
                         written.append(u)
         finally:
@@ -422,13 +418,9 @@ class ShardedOptimizerMixin:
                                               dtype=torch.float32 if v.is_floating_point() else v.dtype)
             out[name] = v
         if u.placement.master_tier == "nvme":
+            per_el, small = split_state(out, u.shard_numel)  # tensors of dim > 0 have shard_numel (checked)
             u.optim_small.clear()
-            per_el = {}
-            for name, v in out.items():
-                if torch.is_tensor(v) and v.dim() > 0:  # shard_numel elements (checked above)
-                    per_el[name] = v
-                else:
-                    u.optim_small[name] = v
+            u.optim_small.update(small)
             u.optim_state.store(per_el, u.context.pool)  # packed into one file (runtime/packed_state.py)
             return {}
         return out

@@ -303,12 +303,7 @@ class OptimizerOverlap:
                 e.shadows["master"] = shadow
             else:
                 e.master = master  # committed by a copy into the master (ShardedOptimizerMixin._commit_shadows)
-            per_el = {}
-            for name, value in new.items():
-                if packed_state.is_per_element(value, u.shard_numel):
-                    per_el[name] = value
-                else:
-                    e.new_state[name] = value
+            per_el, e.new_state = packed_state.split_state(new, u.shard_numel)
             if per_el:  # the moments, packed (in place when stepped in the read buffer) into a shadow
                 layout, data = ps.pack(per_el, pool, buf)
                 s = ps.new_slot(layout, _other_key(ps.slot.key) if ps.slot is not None else ps.key, ctx)

@@ -35,12 +35,25 @@ from .swap import SwapHandle
 if TYPE_CHECKING:
     from .store import ParamHandle
 
-__all__ = ["Layout", "PackedField", "PackedState", "is_per_element"]
+__all__ = ["Layout", "PackedField", "PackedState", "is_per_element", "split_state"]
 
 
 def is_per_element(v: object, numel: int) -> bool:
     """A state with one entry per element of the unit's shard (a moment), as opposed to a scalar."""
     return torch.is_tensor(v) and v.dim() > 0 and v.numel() == numel  # type: ignore[union-attr]
+
+
+def split_state(state: Dict[str, object], numel: int) -> Tuple[Dict[str, torch.Tensor], Dict[str, object]]:
+    """``(per-element states, the rest)`` of one unit's optimizer state: what is packed on NVMe, and
+    what stays in memory (``ParamHandle.optim_small``: Adam's ``step``)."""
+    per_el: Dict[str, torch.Tensor] = {}
+    small: Dict[str, object] = {}
+    for name, v in state.items():
+        if is_per_element(v, numel):
+            per_el[name] = v  # type: ignore[assignment]
+        else:
+            small[name] = v
+    return per_el, small
 
 
 @dataclass(frozen=True)
@@ -66,10 +79,7 @@ class Layout:
         return tuple(f[0] for f in self.fields)
 
     def view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
-        for n, dtype, off in self.fields:
-            if n == name:
-                return buf[off:off + self.numel * dtype.itemsize].view(dtype)
-        raise KeyError(name)
+        return self.views(buf)[name]
 
     def views(self, buf: torch.Tensor) -> Dict[str, torch.Tensor]:
         """The states as views of ``buf`` (uint8, ``nbytes``): changing a view changes the buffer."""

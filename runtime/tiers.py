@@ -447,7 +447,6 @@ class Slot:
             self.accounting.sub(self.tier, self.kind, self.nbytes)
             self._mem = None
         if self._dirty is not None and not self._written:  # deferred, never written: nothing on disk
-            self._discard_dirty()
             self.accounting.sub("nvme", self.kind, self.nbytes)
         self._discard_dirty()
         if self._written:

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 import zinf_runtime
-from zinf_runtime.packed_state import PackedField, reader
+from zinf_runtime.packed_state import PackedField, is_per_element, reader
 from zinf_runtime.store import ParamHandle
 from zinf_runtime.tiers import Slot
 
@@ -39,7 +39,7 @@ def buffers_of(mod: torch.nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def per_element(v: Any, shard_numel: int) -> bool:
-    return isinstance(v, (Slot, PackedField)) or (torch.is_tensor(v) and v.dim() > 0 and v.numel() == shard_numel)
+    return isinstance(v, (Slot, PackedField)) or is_per_element(v, shard_numel)
 
 
 def unit_states(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter, h: ParamHandle) -> List[Dict[str, Any]]:
