@@ -37,7 +37,6 @@ timed for ``zinf_runtime.trace``.
 
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
 import time
@@ -51,7 +50,43 @@ from . import trace as _trace
 #: instance of a model class, so a wait may resolve a different model's handle than its start; the
 #: engine that started a ticket (its lanes, trace, counters) is the one it belongs to.
 _PENDING: Dict[int, "Ticket"] = {}
-_IDS = itertools.count(1)
+
+
+class _TicketTensors:
+    """Ticket tensors, made ``BLOCK`` at a time: views of one ``arange`` whose values are their ids.
+
+    Why: a start made its ticket with ``torch.tensor([id])`` and its wait read it back with
+    ``int(t.reshape(-1)[0])``: four small aten calls per transfer, about 3.5 us each alone, but
+    about 33 us each inside a step, where every call between two large kernels runs from cold
+    caches. The 25M GPT at dp 2 makes 644 tickets a step: 47 ms of a 1.3 s step went to making and
+    reading them (``benchmarks/step_phases.py``'s harness, timed per call). Here a block costs one
+    ``arange`` and one ``split`` per ``BLOCK`` tickets, and a wait reads its ticket with ``item()``.
+
+    Each view is handed out once (ids only grow), so a compiler that reuses a dead ticket's memory
+    (Inductor may, for a fallback op's result) writes into a slot no later ticket reads."""
+
+    BLOCK = 1024
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next = 1  # the id of the next block's first ticket
+        self._views: List[torch.Tensor] = []
+        self._base = 0
+        self._i = 0
+
+    def take(self) -> Tuple[int, torch.Tensor]:
+        """A fresh ticket: ``(id, one-element int64 CPU tensor holding id)``."""
+        with self._lock:
+            if self._i == len(self._views):
+                self._base, self._next = self._next, self._next + self.BLOCK
+                self._views = list(torch.arange(self._base, self._next, dtype=torch.int64).split(1))
+                self._i = 0
+            i = self._i
+            self._i += 1
+            return self._base + i, self._views[i]
+
+
+_TICKETS = _TicketTensors()
 
 #: bytes below which a host copy runs inline: a thread hand-off costs more than copying them
 INLINE_COPY_BYTES = 256 << 10
@@ -152,12 +187,12 @@ class TransferEngine:
     # -- tickets ---------------------------------------------------------------------------------
     def start(self, ticket: Ticket) -> torch.Tensor:
         """Register a started transfer; the ticket tensor the graph passes to its wait."""
-        ticket.id = next(_IDS)
+        ticket.id, token = _TICKETS.take()
         ticket.engine = self
         _PENDING[ticket.id] = ticket
         self._mine[ticket.id] = ticket
         self.counters[ticket.link] = self.counters.get(ticket.link, 0) + 1
-        return torch.tensor([ticket.id], dtype=torch.int64)
+        return token
 
     def done(self, link: str, label: str, result: Any = None) -> torch.Tensor:
         """A ticket for work that already finished (nothing to overlap)."""
@@ -216,7 +251,7 @@ class TransferEngine:
 
 def take(token: torch.Tensor, link: str) -> Ticket:
     """The pending ticket of ``token``, removed from the registry (each is waited once)."""
-    tid = int(token.reshape(-1)[0])
+    tid = int(token.item())
     ticket = _PENDING.pop(tid, None)
     if ticket is None:
         raise RuntimeError(f"zinf: transfer ticket {tid} ({link}) is unknown or already waited for; "
