@@ -53,37 +53,41 @@ _PENDING: Dict[int, "Ticket"] = {}
 
 
 class _TicketTensors:
-    """Ticket tensors, made ``BLOCK`` at a time: views of one ``arange`` whose values are their ids.
+    """Ticket tensors, made ``BLOCK`` at a time in one tight loop: each a one-element int64 CPU tensor
+    of its own holding its id.
 
     Why: a start made its ticket with ``torch.tensor([id])`` and its wait read it back with
     ``int(t.reshape(-1)[0])``: four small aten calls per transfer, about 3.5 us each alone, but
     about 33 us each inside a step, where every call between two large kernels runs from cold
     caches. The 25M GPT at dp 2 makes 644 tickets a step: 47 ms of a 1.3 s step went to making and
-    reading them (``benchmarks/step_phases.py``'s harness, timed per call). Here a block costs one
-    ``arange`` and one ``split`` per ``BLOCK`` tickets, and a wait reads its ticket with ``item()``.
+    reading them (timed per call). Made in a loop, a ticket costs about 1.5 us, and a wait reads its
+    ticket with ``item()``.
 
-    Each view is handed out once (ids only grow), so a compiler that reuses a dead ticket's memory
-    (Inductor may, for a fallback op's result) writes into a slot no later ticket reads."""
+    Each ticket has its own storage (a custom op's outputs must not alias each other or its inputs:
+    views of one block made ``zinf.gather_bucket``'s tickets fail torch's check) and is handed out
+    once (ids only grow), so a compiler that reuses a dead ticket's memory (Inductor may, for a
+    fallback op's result) writes into memory no later ticket reads."""
 
     BLOCK = 1024
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._next = 1  # the id of the next block's first ticket
-        self._views: List[torch.Tensor] = []
+        self._block: List[torch.Tensor] = []
         self._base = 0
         self._i = 0
 
     def take(self) -> Tuple[int, torch.Tensor]:
         """A fresh ticket: ``(id, one-element int64 CPU tensor holding id)``."""
         with self._lock:
-            if self._i == len(self._views):
+            if self._i == len(self._block):
                 self._base, self._next = self._next, self._next + self.BLOCK
-                self._views = list(torch.arange(self._base, self._next, dtype=torch.int64).split(1))
+                self._block = [torch.full((1,), i, dtype=torch.int64) for i in range(self._base, self._next)]
                 self._i = 0
             i = self._i
             self._i += 1
-            return self._base + i, self._views[i]
+            token, self._block[i] = self._block[i], None  # type: ignore[call-overload]
+            return self._base + i, token
 
 
 _TICKETS = _TicketTensors()

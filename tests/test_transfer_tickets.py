@@ -1,5 +1,6 @@
-"""Ticket tensors (``zinf_runtime.transfer``): made a block at a time, each handed out once, each read
-back to its own pending transfer; waiting twice, or as another link, still raises by name."""
+"""Ticket tensors (``zinf_runtime.transfer``): made a block at a time, each with its own storage and
+handed out once, each read back to its own pending transfer; waiting twice, or as another link, still
+raises by name. (The dp-2 bucket tests run them through torch's custom-op alias check.)"""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ def test_each_ticket_resolves_to_its_own_transfer_across_blocks(small_blocks):
     tokens = [eng.start(Ticket("h2d", f"p{i}", 8, lambda i=i: i)) for i in range(11)]  # 3 blocks
     ids = [int(t.item()) for t in tokens]
     assert ids == sorted(set(ids)), ids  # distinct, in start order
+    # each its own storage: a custom op's outputs may not alias each other (zinf.gather_bucket
+    # returns several tickets) or its inputs (zinf.upload takes a ticket and returns one)
+    assert len({t.untyped_storage().data_ptr() for t in tokens}) == len(tokens)
     assert all(t.dtype == torch.int64 and t.numel() == 1 and t.device.type == "cpu" for t in tokens)
     assert eng.in_flight == 11
     for i in reversed(range(11)):  # any order of waits
