@@ -453,7 +453,9 @@ class ParamHandle:
         return buf, work
 
     def gathered_view(self, buf: torch.Tensor) -> torch.Tensor:
-        return buf[: self.numel].view(self.shape)
+        """The parameter's shape over a gathered buffer (its padding cut off, when it has any: one
+        aten call fewer per gather otherwise, which costs ~10 us inside a step)."""
+        return (buf if self.padded_numel == self.numel else buf[: self.numel]).view(self.shape)
 
     @staticmethod
     def release(full: torch.Tensor) -> None:
