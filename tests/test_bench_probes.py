@@ -30,8 +30,8 @@ def test_step_phases_reports_phases_threads_and_gc():
     assert "dp 1, 2 steps counted" in out, out
     m = re.search(r"median s: fwd\+bwd ([\d.]+), step ([\d.]+), zero_grad ([\d.]+), total ([\d.]+)", out)
     assert m and float(m.group(4)) > 0, out
-    main = re.search(r"^\s+MainThread\s+([\d.]+)", out, re.M)
-    assert main and float(main.group(1)) > 0, out  # the step's own thread spent CPU
+    # the main thread's row always shows; its CPU comes in 10 ms ticks, so a toy step may read 0
+    assert re.search(r"^\s+MainThread\s+[\d.]+\s+\d+\s+\d+$", out, re.M), out
     rss = re.search(r"rank 0 peak RSS: up to step 3 (\d+) MiB \(with the compile\); steps 3\.\. (\d+ MiB|not measured)", out)
     assert rss and int(rss.group(1)) > 50, out
     assert re.search(r"gc per step: collections by generation \[[\d., ]+\], seconds \[[\d., ]+\]", out), out
