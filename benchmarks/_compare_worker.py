@@ -72,7 +72,8 @@ def _plain(model: torch.nn.Module, compiled: bool) -> Tuple[Step, Dict[str, Any]
     return step, {"optimizer": "torch.optim.AdamW"}
 
 
-def _fsdp2(model: torch.nn.Module, offload: bool) -> Tuple[Step, Dict[str, Any]]:
+def fsdp2_shard(model: torch.nn.Module, offload: bool) -> None:
+    """``fully_shard`` on each block and on the root, as every FSDP2 row of the benchmarks does."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
@@ -82,6 +83,10 @@ def _fsdp2(model: torch.nn.Module, offload: bool) -> Tuple[Step, Dict[str, Any]]
     for blk in model.blocks:
         fully_shard(blk, **kw)
     fully_shard(model, **kw)  # the root: embeddings (tied to the head), final LayerNorm
+
+
+def _fsdp2(model: torch.nn.Module, offload: bool) -> Tuple[Step, Dict[str, Any]]:
+    fsdp2_shard(model, offload)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -27,16 +27,21 @@ import subprocess
 import sys
 from typing import Dict, List
 
+TOY = "m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))\n"
+
+
+def _step(wrap: str = "") -> str:
+    """The toy's one training step, ``wrap`` (e.g. a compile) applied to it first."""
+    return TOY + wrap + "m(torch.randn(8, 64)).sum().backward()"
+
+
 ROWS: Dict[str, str] = {
     "torch": "import torch",
-    "fsdp2": "import torch\nfrom torch.distributed.fsdp import fully_shard\n{step}",
-    "inductor": "import torch\nm = torch.compile(m)\n{step}",
-    "zinf": "import torch, zinf_compile\nm = torch.compile(m, backend='zinf')\n{step}",
+    "fsdp2": "import torch\nfrom torch.distributed.fsdp import fully_shard\n" + _step(),
+    "inductor": "import torch\n" + _step("m = torch.compile(m)\n"),
+    "zinf": "import torch, zinf_compile\n" + _step("m = torch.compile(m, backend='zinf')\n"),
     "deepspeed": "import torch, deepspeed",
 }
-
-TOY = "m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))\n"
-STEP = "m(torch.randn(8, 64)).sum().backward()"
 
 REPORT = """
 import sys, json
@@ -46,11 +51,7 @@ print(json.dumps({k: int(v.split()[0]) // 1024 for k, v in d.items()} | {"triton
 
 
 def code_of(row: str) -> str:
-    body = ROWS[row]
-    if "{step}" in body:
-        head, _ = body.split("\n", 1)
-        body = head + "\n" + TOY + body.split("\n", 1)[1].format(step=STEP)
-    return body + "\n" + REPORT
+    return ROWS[row] + "\n" + REPORT
 
 
 def main(rows: List[str]) -> None:

@@ -44,16 +44,15 @@ import zinf_compile
 from zinf_compile.models import GPT, GPTConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _compare_worker import ADAMW, _status_kib, fsdp2_shard  # noqa: E402  (the rows compare.py runs)
 from _procmem import reset_hwm  # noqa: E402
+from compare import SIZES  # noqa: E402
 
-SMALL = dict(vocab=10240, seq=128, layers=12, hidden=384, heads=6)  # compare.py's "small"
-ADAMW = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 SKIP = 3
 
 
 def hwm_mib() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmHWM"))
+    return _status_kib("VmHWM") // 1024
 
 
 def thread_cpu() -> Dict[str, List[float]]:
@@ -105,19 +104,13 @@ def main() -> None:
     system = sys.argv[1] if len(sys.argv) > 1 else "{}"
     per = 4 // world
     g = torch.Generator().manual_seed(1)
-    cfg = {**SMALL, **json.loads(os.environ.get("CFG", "{}"))}
+    cfg = {**SIZES["small"], **json.loads(os.environ.get("CFG", "{}"))}
     x = torch.randint(0, cfg["vocab"], (4, cfg["seq"]), generator=g)[rank * per:(rank + 1) * per]
     y = torch.randint(0, cfg["vocab"], (4, cfg["seq"]), generator=g)[rank * per:(rank + 1) * per]
     torch.manual_seed(0)
     model = GPT(GPTConfig(**cfg))
     if system == "fsdp2-cpu":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
-        kw = {"mesh": init_device_mesh("cpu", (world,)), "offload_policy": CPUOffloadPolicy(pin_memory=False)}
-        for blk in model.blocks:
-            fully_shard(blk, **kw)
-        fully_shard(model, **kw)
+        fsdp2_shard(model, offload=True)
         run, opt = model, torch.optim.AdamW(model.parameters(), **ADAMW)
     else:
         options = json.loads(system)
