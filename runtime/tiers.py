@@ -111,6 +111,7 @@ class BufferPool:
         self.cap_bytes = cap_bytes
         self._free: Dict[Tuple[int, bool], list] = {}
         self._idle = 0
+        self.allocations = 0  # acquires that found no idle buffer of their size (tests: reuse across steps)
         self._lock = threading.Lock()
 
     @property
@@ -124,6 +125,7 @@ class BufferPool:
             if free:
                 self._idle -= nbytes
                 return free.pop().view(dtype)
+            self.allocations += 1
         return aligned_empty(nbytes, pin).view(dtype)
 
     def release(self, t: torch.Tensor, fence: Optional[hostsync.Fence] = None) -> None:
@@ -142,6 +144,12 @@ class BufferPool:
             if self._idle + nbytes <= self.cap_bytes:
                 self._free.setdefault((nbytes, raw.is_pinned()), []).append(raw)
                 self._idle += nbytes
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s memory is one of the idle buffers (given back, not handed out again)."""
+        ptr = t.untyped_storage().data_ptr()
+        with self._lock:
+            return any(b.untyped_storage().data_ptr() == ptr for free in self._free.values() for b in free)
 
     def clear(self) -> None:
         with self._lock:

@@ -93,6 +93,9 @@ def test_gpt_dp2_matches_single_process_eager(tmp_path):
     # (no upload copy), and the collectives still never read a slot (strict comm is on in the suite)
     fetches = counts["forward:zinf.wait_upload.default"] + counts["backward:zinf.wait_upload.default"]
     assert res["transfers"].get("in_place", 0) == 3 * fetches, (res["transfers"], fetches)  # run_dp's 3 steps
+    # the buckets' flat buffers are the model pool's, reused: a fourth step allocates none of them
+    first_steps, fourth = res["pool_allocations"]
+    assert first_steps > 0 and fourth == 0, res["pool_allocations"]
 
 
 def test_gpt_dp2_with_tiling_matches_single_process_eager(tmp_path):

@@ -464,3 +464,5 @@ def test_dp2_plan_counts_collective_buffers(tmp_path):
             assert abs(r["measured_step"] / r["plan_step"] - 1) <= STEP_TOLERANCE, r
             assert min(r["measured_steps"]) == r["measured_step"] and len(r["measured_steps"]) > 1, r
         assert bucketed["runtime_bucket"] > 0
+        # a bucket's output goes back to the model's pool for the next bucket; a lone gather's is freed
+        assert bucketed["pooled_outputs_held"] > 0 and alone["pooled_outputs_held"] == 0

@@ -99,6 +99,7 @@ import torch
 import torch.fx
 
 from zinf_runtime import store
+from zinf_runtime.bucket import flat_nbytes
 from zinf_runtime.swap import ALIGN as SWAP_ALIGN
 
 from .analytic import human_bytes
@@ -486,8 +487,10 @@ class _Builder:
             waits = []
         last = max(waits, key=pos.__getitem__) if waits else n
         where = f"{stage}:{last.name}"
-        if bucket:
-            self.extra.append(Interval(f"{stage}:{n.name}", "device", "comm", "bucket", (world + 1) * total * item,
+        if bucket:  # each rounded up as the runtime's pool hands them out (``bucket.flat_nbytes``)
+            dev = handles[0].placement.compute_device
+            held = flat_nbytes(total * item, dev) + flat_nbytes(world * total * item, dev)
+            self.extra.append(Interval(f"{stage}:{n.name}", "device", "comm", "bucket", held,
                                        pos[n], pos[last], where, (), None))
         if gather and not bucket and handles[0].reads_in_place():
             # a shard read in place is copied for its collective (``ParamHandle.collective_input``)

@@ -60,9 +60,16 @@ def main(out_path: str, options_json: str, steps: int, global_batch: int, cfg_js
                     counts[f"{stage}:{k}"] = counts.get(f"{stage}:{k}", 0) + v
     transfers = dict(zinf_runtime.handle_of(next(model.parameters())).context.transfers.counters)
     full = zinf_compile.full_state_dict(model, rank0_only=True)
+    # one more step, after the results above: the buckets' flat buffers come from the model's pool,
+    # so a step like the earlier ones allocates none (runtime/bucket.py, flat_buffer)
+    pool = zinf_runtime.handle_of(next(model.parameters())).context.pool
+    before = pool.allocations
+    train_on_slices(cmodel, opt, cfg, 1, global_batch)
+    pool_allocations = (before, pool.allocations - before)
     if rank == 0:
         torch.save({"losses": losses, "grads": grads, "state": full, "shard_bytes": [int(s) for s in all_shards],
-                    "total_param_bytes": total_param_bytes, "counts": counts, "transfers": transfers}, out_path)
+                    "total_param_bytes": total_param_bytes, "counts": counts, "transfers": transfers,
+                    "pool_allocations": pool_allocations}, out_path)
     dist.barrier()
     dist.destroy_process_group()
 
