@@ -66,7 +66,13 @@ class BucketBuffers:
             self.release()
 
 
-def flat_buffer(pool: BufferPool, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def host_pool(ctx: Any, device: torch.device) -> Optional[BufferPool]:
+    """The pool a bucket on ``device`` takes its flat buffers from: the context's on the host, none on
+    an accelerator (``flat_buffer``)."""
+    return ctx.pool if device.type == "cpu" else None
+
+
+def flat_buffer(pool: Optional[BufferPool], numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A bucket's private flat buffer of at least ``numel`` elements (callers view its first ``numel``).
 
     On the host it comes from the model context's pool, its size rounded up to a power of two, so
@@ -77,7 +83,7 @@ def flat_buffer(pool: BufferPool, numel: int, dtype: torch.dtype, device: torch.
     near 1.4 GiB after a dozen steps, against ~1.0 GiB with ``bucket_bytes=0``, while the live tensors
     stayed at 144 MiB (``malloc_trim`` gave the difference back). On an accelerator the caching
     allocator already reuses device memory in stream order: a plain ``torch.empty``."""
-    if device.type != "cpu":
+    if pool is None:
         return torch.empty(numel, dtype=dtype, device=device)
     return pool.acquire(flat_nbytes(numel * dtype.itemsize, device) // dtype.itemsize, dtype)
 
@@ -87,6 +93,7 @@ def flat_nbytes(nbytes: int, device: torch.device) -> int:
     if device.type != "cpu":
         return nbytes
     return max(ALIGN, 1 << (nbytes - 1).bit_length())
+
 
 def op_gather_bucket(shards: List[torch.Tensor], uids: List[int]) -> List[torch.Tensor]:
     handles = [store.get(u) for u in uids]
@@ -107,9 +114,9 @@ def op_gather_bucket(shards: List[torch.Tensor], uids: List[int]) -> List[torch.
     eng = first.context.transfers
     eng.enter()
     try:
-        pool = first.context.pool if shards[0].device.type == "cpu" else None
-        packed_raw = flat_buffer(first.context.pool, total, shards[0].dtype, shards[0].device)
-        out_raw = flat_buffer(first.context.pool, world * total, shards[0].dtype, shards[0].device)
+        pool = host_pool(first.context, shards[0].device)
+        packed_raw = flat_buffer(pool, total, shards[0].dtype, shards[0].device)
+        out_raw = flat_buffer(pool, world * total, shards[0].dtype, shards[0].device)
         packed = torch.cat([s.reshape(-1) for s in shards], out=packed_raw[:total])
         out = out_raw[: world * total]
         own = BucketBuffers((packed_raw, out_raw),
@@ -175,8 +182,8 @@ def op_reduce_bucket(grads: List[torch.Tensor], params: List[torch.Tensor], uids
             sizes = [handles[i].shard_numel for i in members]
             total = sum(sizes)
             device = grads[members[0]].device
-            pool = first.context.pool if device.type == "cpu" else None
-            pack_raw = flat_buffer(first.context.pool, world * total, torch.float32, device)
+            pool = host_pool(first.context, device)
+            pack_raw = flat_buffer(pool, world * total, torch.float32, device)
             pack = pack_raw[: world * total].view(world, total)
             buffers, parts = [], []
             for i, n in zip(members, sizes):
@@ -190,7 +197,7 @@ def op_reduce_bucket(grads: List[torch.Tensor], params: List[torch.Tensor], uids
                     flat = torch.nn.functional.pad(flat, (0, h.padded_numel - h.numel))
                 parts.append(flat.view(world, n))
             torch.cat(parts, dim=1, out=pack)  # one packing call (rank r's row: every member's rank-r part)
-            out_raw = flat_buffer(first.context.pool, total, torch.float32, device)
+            out_raw = flat_buffer(pool, total, torch.float32, device)
             out = out_raw[:total]
             own = BucketBuffers((pack_raw, out_raw),
                                 first.context.accounting.comm_buffers(out_raw, _nb(pack_raw) + _nb(out_raw)),

@@ -92,7 +92,8 @@ def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
 
 
 class BufferPool:
-    """Reusable host buffers for NVMe reads and writes, by byte size (one pool per model context).
+    """Reusable host buffers for NVMe reads and writes and for the buckets' flat buffers
+    (``bucket.flat_buffer``), by byte size (one pool per model context).
 
     Every read wants a fresh host tensor and every write must keep its source alive until the disk
     has it; allocating those anew each time (4-64 MiB apiece) leaves glibc holding gigabytes of
