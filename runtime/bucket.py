@@ -66,12 +66,6 @@ class BucketBuffers:
             self.release()
 
 
-def host_pool(ctx: Any, device: torch.device) -> Optional[BufferPool]:
-    """The pool a bucket on ``device`` takes its flat buffers from: the context's on the host, none on
-    an accelerator (``flat_buffer``)."""
-    return ctx.pool if device.type == "cpu" else None
-
-
 def flat_buffer(pool: Optional[BufferPool], numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A bucket's private flat buffer of at least ``numel`` elements (callers view its first ``numel``).
 
@@ -95,6 +89,17 @@ def flat_nbytes(nbytes: int, device: torch.device) -> int:
     return max(ALIGN, 1 << (nbytes - 1).bit_length())
 
 
+def bucket_buffers(ctx: Any, device: torch.device, dtype: torch.dtype, numels: Tuple[int, int],
+                   waits: int) -> Tuple[BucketBuffers, torch.Tensor, torch.Tensor]:
+    """A bucket's two flat buffers (the collective's input and output, ``numels`` elements each),
+    booked as ``comm`` bytes and given back by the last of ``waits`` member waits; returns the owner
+    and views of exactly ``numels``. The pool is the context's on the host, none on an accelerator."""
+    pool = ctx.pool if device.type == "cpu" else None
+    raw = tuple(flat_buffer(pool, n, dtype, device) for n in numels)
+    own = BucketBuffers(raw, ctx.accounting.comm_buffers(raw[1], sum(_nb(r) for r in raw)), waits, pool)
+    return own, raw[0][: numels[0]], raw[1][: numels[1]]
+
+
 def op_gather_bucket(shards: List[torch.Tensor], uids: List[int]) -> List[torch.Tensor]:
     handles = [store.get(u) for u in uids]
     if len(handles) != len(shards) or not handles:
@@ -114,14 +119,9 @@ def op_gather_bucket(shards: List[torch.Tensor], uids: List[int]) -> List[torch.
     eng = first.context.transfers
     eng.enter()
     try:
-        pool = host_pool(first.context, shards[0].device)
-        packed_raw = flat_buffer(pool, total, shards[0].dtype, shards[0].device)
-        out_raw = flat_buffer(pool, world * total, shards[0].dtype, shards[0].device)
-        packed = torch.cat([s.reshape(-1) for s in shards], out=packed_raw[:total])
-        out = out_raw[: world * total]
-        own = BucketBuffers((packed_raw, out_raw),
-                            first.context.accounting.comm_buffers(out_raw, _nb(packed_raw) + _nb(out_raw)),
-                            len(handles), pool)
+        own, packed, out = bucket_buffers(first.context, shards[0].device, shards[0].dtype,
+                                          (total, world * total), len(handles))
+        torch.cat([s.reshape(-1) for s in shards], out=packed)
         work = comm.all_gather_flat(out, packed, first.placement.group, async_op=True)
         eng.counters["all_gather_bucket"] = eng.counters.get("all_gather_bucket", 0) + 1
         unpacked: Dict[str, Optional[List[torch.Tensor]]] = {"bufs": None}
@@ -182,9 +182,9 @@ def op_reduce_bucket(grads: List[torch.Tensor], params: List[torch.Tensor], uids
             sizes = [handles[i].shard_numel for i in members]
             total = sum(sizes)
             device = grads[members[0]].device
-            pool = host_pool(first.context, device)
-            pack_raw = flat_buffer(pool, world * total, torch.float32, device)
-            pack = pack_raw[: world * total].view(world, total)
+            own, flat_pack, out = bucket_buffers(first.context, device, torch.float32, (world * total, total),
+                                                 len(members))
+            pack = flat_pack.view(world, total)
             buffers, parts = [], []
             for i, n in zip(members, sizes):
                 h, g = handles[i], grads[i]
@@ -197,12 +197,7 @@ def op_reduce_bucket(grads: List[torch.Tensor], params: List[torch.Tensor], uids
                     flat = torch.nn.functional.pad(flat, (0, h.padded_numel - h.numel))
                 parts.append(flat.view(world, n))
             torch.cat(parts, dim=1, out=pack)  # one packing call (rank r's row: every member's rank-r part)
-            out_raw = flat_buffer(pool, total, torch.float32, device)
-            out = out_raw[:total]
-            own = BucketBuffers((pack_raw, out_raw),
-                                first.context.accounting.comm_buffers(out_raw, _nb(pack_raw) + _nb(out_raw)),
-                                len(members), pool)
-            work = comm.reduce_scatter_flat(out, pack.view(-1), first.placement.group, async_op=True)
+            work = comm.reduce_scatter_flat(out, flat_pack, first.placement.group, async_op=True)
             eng.counters["reduce_scatter_bucket"] = eng.counters.get("reduce_scatter_bucket", 0) + 1
             shards: List[torch.Tensor] = []
 
