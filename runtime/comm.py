@@ -427,12 +427,19 @@ def wait(work: Any, op: str, group: ProcessGroup, *, what: Optional[str] = None)
             work.wait(timeout=timedelta(seconds=min(poll, max(timeout, 0.01))))
             return
         except RuntimeError as exc:
-            # our slice ran out (the work is still pending), or the work itself failed (gloo's own
-            # timeout, a peer's closed connection): then it is complete and re-raises at every wait
-            if work.is_completed() or not _is_timeout(exc):
+            # our slice ran out (the work is still pending, or it completed just as the slice ended),
+            # or the work itself failed (gloo's own timeout, a peer's closed connection): then it is
+            # complete and re-raises at every wait
+            try:
+                if not _is_timeout(exc):
+                    raise
+                if work.is_completed():  # a wait now returns (it succeeded) or raises its own error
+                    work.wait()
+                    return
+            except RuntimeError as err:
                 failure = posted_failure()
                 if failure is not None:
-                    raise _peer_failed(op, group, failure) from exc
+                    raise _peer_failed(op, group, failure) from err
                 raise
         failure = posted_failure()
         if failure is not None:
