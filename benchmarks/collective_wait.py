@@ -4,8 +4,10 @@
 
 zinf issues each collective with ``async_op=True`` and waits in 0.5 s slices, reading the failure key
 from the c10d store only when a slice runs out (``zinf_runtime.comm.wait``). This times
-``comm.all_gather_flat`` (that path) against torch's synchronous ``all_gather_into_tensor`` on the same
+``comm.all_gather_flat`` (that path; on gloo an exchange, ``comm.exchanges``) against the same
+exchange issued by torch synchronously (``all_to_all_single`` of the replicated shard) on the same
 tensors, in alternating blocks so drift hits both alike; rank 0 prints the median per call.
+(``benchmarks/collective_algorithms.py`` compares the exchange with gloo's own all-gather.)
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ def main() -> None:
     for numel in (1024, 1 << 20):
         shard = torch.ones(numel)
         out = torch.empty(world * numel)
+        send = torch.empty(world * numel)
         calls = 200 if numel <= 1024 else 20
         res = {"torch sync": [], "zinf wait": []}
         for block in range(12):
@@ -33,7 +36,8 @@ def main() -> None:
                 t0 = time.perf_counter()
                 for _ in range(calls):
                     if name == "torch sync":
-                        dist.all_gather_into_tensor(out, shard)
+                        send.view(world, numel).copy_(shard.expand(world, numel))
+                        dist.all_to_all_single(out, send)
                     else:
                         comm.all_gather_flat(out, shard, None)
                 if block >= 2:  # warm-up blocks dropped

@@ -17,11 +17,14 @@ per-parameter gather, so numerics are unchanged). On CUDA, ``work.wait()`` order
 stream after the collective before the copy-out, and every buffer the collective reads or writes is
 kept alive by the tickets until their waits.
 
-A bucket's own buffers (the packed input, the collective's output) are freed at its last member's
-wait, on the waiting thread, whoever else still holds them: a ``Work`` references the tensors it was
-given, and gloo's worker thread drops that reference just after it signals completion, so freeing by
-reference count alone made the bytes outlive the wait whenever that thread was descheduled (the
-runtime's ``comm`` peak doubled in 1 of 5 steps on 2 cores). ``BucketBuffers`` frees their storage
+On gloo both collectives are exchanges (``comm.exchanges``): a gather packs its shards into the first
+row of a (world, total) send buffer that the exchange replicates, a reduction adds a (world, total)
+receive buffer that its wait sums. A bucket's own buffers (the packed input, the collective's output,
+an exchange's receive buffer) are given back at its last member's wait, on the waiting thread,
+whoever else still holds them: a ``Work`` references the tensors it was given, and gloo's worker
+thread drops that reference just after it signals completion, so freeing by reference count alone
+made the bytes outlive the wait whenever that thread was descheduled (the runtime's ``comm`` peak
+doubled in 1 of 5 steps on 2 cores). ``BucketBuffers`` frees their storage
 (``store.drop_storage``), as ``ParamHandle.release`` frees a gathered parameter's.
 
 In backward, ``zinf.reduce_bucket([g1, g2], [p1, p2], [u1, u2])`` starts one reduce-scatter once the
@@ -35,8 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from . import comm, store
-from .swap import ALIGN
-from .tiers import BufferPool
+from .tiers import BufferPool, flat_buffer, flat_nbytes  # noqa: F401 (flat_nbytes: the memory plan's)
 from .transfer import Ticket, _nb
 
 
@@ -66,38 +68,16 @@ class BucketBuffers:
             self.release()
 
 
-def flat_buffer(pool: Optional[BufferPool], numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A bucket's private flat buffer of at least ``numel`` elements (callers view its first ``numel``).
-
-    On the host it comes from the model context's pool, its size rounded up to a power of two, so
-    buckets of different sizes share a few buffers. Why: each bucket used to allocate its packed input
-    and its output (4-8 MiB at the default ``bucket_bytes``) and free them at its last wait, several
-    dozen times a step. Those sizes sit under glibc's dynamic mmap threshold, so the freed chunks stayed
-    in the heaps, fragmented: at dp 2 on the 25M GPT a rank's RSS grew ~30 MiB a step and levelled off
-    near 1.4 GiB after a dozen steps, against ~1.0 GiB with ``bucket_bytes=0``, while the live tensors
-    stayed at 144 MiB (``malloc_trim`` gave the difference back). On an accelerator the caching
-    allocator already reuses device memory in stream order: a plain ``torch.empty``."""
-    if pool is None:
-        return torch.empty(numel, dtype=dtype, device=device)
-    return pool.acquire(flat_nbytes(numel * dtype.itemsize, device) // dtype.itemsize, dtype)
-
-
-def flat_nbytes(nbytes: int, device: torch.device) -> int:
-    """The bytes ``flat_buffer`` holds for a request of ``nbytes`` (the memory plan books the same)."""
-    if device.type != "cpu":
-        return nbytes
-    return max(ALIGN, 1 << (nbytes - 1).bit_length())
-
-
-def bucket_buffers(ctx: Any, device: torch.device, dtype: torch.dtype, numels: Tuple[int, int],
-                   waits: int) -> Tuple[BucketBuffers, torch.Tensor, torch.Tensor]:
-    """A bucket's two flat buffers (the collective's input and output, ``numels`` elements each),
-    booked as ``comm`` bytes and given back by the last of ``waits`` member waits; returns the owner
-    and views of exactly ``numels``. The pool is the context's on the host, none on an accelerator."""
+def bucket_buffers(ctx: Any, device: torch.device, dtype: torch.dtype, numels: Tuple[int, ...],
+                   waits: int) -> Tuple[BucketBuffers, List[torch.Tensor]]:
+    """A bucket's flat buffers (the collective's input, its output, and an exchange's receive buffer
+    when it has one: ``numels`` elements each), booked as ``comm`` bytes and given back by the last of
+    ``waits`` member waits; returns the owner and views of exactly ``numels``. The pool is the
+    context's on the host, none on an accelerator."""
     pool = ctx.pool if device.type == "cpu" else None
     raw = tuple(flat_buffer(pool, n, dtype, device) for n in numels)
     own = BucketBuffers(raw, ctx.accounting.comm_buffers(raw[1], sum(_nb(r) for r in raw)), waits, pool)
-    return own, raw[0][: numels[0]], raw[1][: numels[1]]
+    return own, [r[:n] for r, n in zip(raw, numels)]
 
 
 def op_gather_bucket(shards: List[torch.Tensor], uids: List[int]) -> List[torch.Tensor]:
@@ -119,10 +99,13 @@ def op_gather_bucket(shards: List[torch.Tensor], uids: List[int]) -> List[torch.
     eng = first.context.transfers
     eng.enter()
     try:
-        own, packed, out = bucket_buffers(first.context, shards[0].device, shards[0].dtype,
-                                          (total, world * total), len(handles))
+        group = first.placement.group
+        exchange = comm.exchanges(shards[0], group)  # its send buffer: the packed shards, once per rank
+        own, (send, out) = bucket_buffers(first.context, shards[0].device, shards[0].dtype,
+                                          ((world if exchange else 1) * total, world * total), len(handles))
+        packed = send[:total]
         torch.cat([s.reshape(-1) for s in shards], out=packed)
-        work = comm.all_gather_flat(out, packed, first.placement.group, async_op=True)
+        work = comm.all_gather_flat(out, packed, group, async_op=True, send=send if exchange else None)
         eng.counters["all_gather_bucket"] = eng.counters.get("all_gather_bucket", 0) + 1
         unpacked: Dict[str, Optional[List[torch.Tensor]]] = {"bufs": None}
 
@@ -150,7 +133,7 @@ def op_gather_bucket(shards: List[torch.Tensor], uids: List[int]) -> List[torch.
         tickets = []
         for i, (h, s) in enumerate(zip(handles, shards)):
             wait_fn = (lambda i=i: member(i))
-            tickets.append(eng.start(Ticket("all_gather", h.name, world * _nb(s), wait_fn, keep=(s, packed, out))))
+            tickets.append(eng.start(Ticket("all_gather", h.name, world * _nb(s), wait_fn, keep=(s, send, out))))
         return tickets
     finally:
         eng.leave()
@@ -182,8 +165,11 @@ def op_reduce_bucket(grads: List[torch.Tensor], params: List[torch.Tensor], uids
             sizes = [handles[i].shard_numel for i in members]
             total = sum(sizes)
             device = grads[members[0]].device
-            own, flat_pack, out = bucket_buffers(first.context, device, torch.float32, (world * total, total),
-                                                 len(members))
+            group = first.placement.group
+            exchange = comm.exchanges(grads[members[0]], group)  # + its receive buffer
+            own, (flat_pack, out, *recv) = bucket_buffers(
+                first.context, device, torch.float32, (world * total, total) + ((world * total,) if exchange else ()),
+                len(members))
             pack = flat_pack.view(world, total)
             buffers, parts = [], []
             for i, n in zip(members, sizes):
@@ -197,7 +183,7 @@ def op_reduce_bucket(grads: List[torch.Tensor], params: List[torch.Tensor], uids
                     flat = torch.nn.functional.pad(flat, (0, h.padded_numel - h.numel))
                 parts.append(flat.view(world, n))
             torch.cat(parts, dim=1, out=pack)  # one packing call (rank r's row: every member's rank-r part)
-            work = comm.reduce_scatter_flat(out, flat_pack, first.placement.group, async_op=True)
+            work = comm.reduce_scatter_flat(out, flat_pack, group, async_op=True, recv=recv[0] if recv else None)
             eng.counters["reduce_scatter_bucket"] = eng.counters.get("reduce_scatter_bucket", 0) + 1
             shards: List[torch.Tensor] = []
 

@@ -431,11 +431,11 @@ class ParamHandle:
         buf, work = self.start_all_gather(self.collective_input(shard), async_op=False)
         return self.gathered_view(buf)
 
-    @staticmethod
-    def collective_input(shard: torch.Tensor) -> torch.Tensor:
+    def collective_input(self, shard: torch.Tensor) -> torch.Tensor:
         """``shard`` as a collective may read it: a private copy when it is a slot's memory read in
-        place (``shard_in_place``), so no collective ever reads a slot (strict comm); else itself."""
-        if _is_in_place(shard.untyped_storage()):
+        place (``shard_in_place``), so no collective ever reads a slot (strict comm); else itself. An
+        exchange (``comm.exchanges``) copies its shard into its own send buffer as it starts: itself."""
+        if _is_in_place(shard.untyped_storage()) and not comm.exchanges(shard, self.placement.group):
             return shard.clone()
         return shard
 
@@ -449,7 +449,13 @@ class ParamHandle:
             if self.rank == self.owner:
                 buf.copy_(shard)
             return buf, comm.broadcast_flat(buf, self.owner, self.placement.group, async_op=async_op)
-        work = comm.all_gather_flat(buf, shard, self.placement.group, async_op=async_op)
+        if comm.exchanges(shard, self.placement.group):  # its send buffer from the pool, back when done
+            world_n = self.world * shard.numel()
+            raw = tiers.flat_buffer(self.context.pool, world_n, shard.dtype, shard.device)
+            work = comm.all_gather_flat(buf, shard, self.placement.group, async_op=async_op, send=raw[:world_n],
+                                        then=lambda: self.context.pool.release(raw))
+        else:
+            work = comm.all_gather_flat(buf, shard, self.placement.group, async_op=async_op)
         return buf, work
 
     def gathered_view(self, buf: torch.Tensor) -> torch.Tensor:
@@ -594,7 +600,12 @@ class ParamHandle:
             flat = torch.nn.functional.pad(flat, (0, self.padded_numel - self.numel))
         flat = flat.contiguous()
         shard = self.new_grad_shard(flat.device)
-        work = comm.reduce_scatter_flat(shard, flat, self.placement.group, async_op=async_op)
+        if comm.exchanges(flat, self.placement.group):  # its receive buffer from the pool, back when done
+            raw = tiers.flat_buffer(self.context.pool, flat.numel(), flat.dtype, flat.device)
+            work = comm.reduce_scatter_flat(shard, flat, self.placement.group, async_op=async_op,
+                                            recv=raw[: flat.numel()], then=lambda: self.context.pool.release(raw))
+        else:
+            work = comm.reduce_scatter_flat(shard, flat, self.placement.group, async_op=async_op)
         return shard, (work, flat, not shares_storage(flat, grad))
 
     def new_grad_shard(self, device: torch.device) -> torch.Tensor:

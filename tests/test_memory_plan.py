@@ -430,8 +430,9 @@ STEP_TOLERANCE = 0.10  # the plan's accuracy for eager graphs (benchmarks/memory
 
 def test_dp2_plan_counts_collective_buffers(tmp_path):
     """dp = 2 on gloo, eager graphs: the small parameters' collectives are coalesced (default
-    ``bucket_bytes``) into flat buffers zinf allocates, and gloo stages every all-gather and
-    reduce-scatter through a copy of its own. Without either in the plan, its step peak was 0.59x the
+    ``bucket_bytes``) into flat buffers zinf allocates, and every collective on gloo is an exchange
+    (``comm.exchanges``) with a (world, shard) send or receive buffer of its own (a bucket's flat
+    buffers, a lone parameter's "exchange" interval). Without either in the plan, its step peak was 0.59x the
     CPU allocator's measured peak with buckets (0.84x with ``bucket_bytes=0``); the buckets' bytes must
     equal the runtime's ``comm`` accounting, the gathered peak the runtime's, and the step peak the
     allocator's within the plan's eager accuracy. The allocator's peak is the least of several profiled
@@ -454,7 +455,7 @@ def test_dp2_plan_counts_collective_buffers(tmp_path):
     for rank_rows in json.loads(out.read_text()):
         bucketed, alone = rank_rows
         assert bucketed["comm_intervals"]["bucket"] > 0 and "bucket" not in alone["comm_intervals"]
-        assert alone["comm_intervals"]["gloo_copy"] > bucketed["comm_intervals"]["gloo_copy"] > 0
+        assert alone["comm_intervals"]["exchange"] > 0 and "exchange" not in bucketed["comm_intervals"]
         for r in rank_rows:
             assert r["plan_bucket"] == r["runtime_bucket"] and r["comm_after"] == 0, r  # freed with the last wait
             # ... even while every collective's tensors stay referenced (a slow gloo worker thread)

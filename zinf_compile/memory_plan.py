@@ -12,11 +12,14 @@ tensor gets a live interval on the schedule (forward nodes, then backward nodes)
     device  gathered     a fetched / all-gathered full parameter, from fetch to its ``zinf.release``
     device  grad_buffer  a parameter's gradient, until ``zinf.reduce_grad`` consumed it (+ its copies there)
     device  comm         bucket:    a coalesced collective's flat buffers (``bucket_bytes``, dp > 1): the
-                                    packed input and the output, from ``gather_bucket`` / ``reduce_bucket``
-                                    to its last member's wait (the runtime books them as ``comm`` too)
-                         gloo_copy: on a gloo group, the backend's own staging: its all-gather receives
-                                    into a flat copy of the output and its reduce-scatter reduces a copy of
-                                    the input, from the collective's start to its wait (NCCL has none)
+                                    packed input and the output (on gloo, an all-gather's packed input
+                                    is its exchange's send buffer, the shards once per rank, and a
+                                    reduce-scatter adds its exchange's receive buffer), from
+                                    ``gather_bucket`` / ``reduce_bucket`` to its last member's wait (the
+                                    runtime books them as ``comm`` too)
+                         exchange:  on gloo a lone parameter's all-gather or reduce-scatter is an
+                                    exchange (``zinf_runtime.comm.exchanges``): its (world, shard) send or
+                                    receive buffer, from the pool, from the start to the wait
     <tier>  param/grad/optim   the runtime's shards: fp32 masters (+ compute-dtype copies) for the whole
                          step, a gradient shard from its first reduce_grad on, optimizer state if asked
 
@@ -99,7 +102,7 @@ import torch
 import torch.fx
 
 from zinf_runtime import store
-from zinf_runtime.bucket import flat_nbytes
+from zinf_runtime.tiers import flat_nbytes
 from zinf_runtime.swap import ALIGN as SWAP_ALIGN
 
 from .analytic import human_bytes
@@ -458,10 +461,11 @@ class _Builder:
         to hold them). A bucket's own: for ``gather_bucket`` the packed shards and the (world, total)
         output in the shards' dtype, for ``reduce_bucket`` the fp32 (world, total) pack and the
         total-element output; members the runtime reduces alone (tiled elsewhere, or not
-        dp-partitioned) are left out, as there. A parameter gathered alone whose shard is read in place
-        is copied for the collective first (its shard bytes). On a gloo group, besides: gloo's staging
-        copy of the (world, total) elements. A synchronous ``all_gather`` / ``reduce_grad`` holds them for its
-        own step only."""
+        dp-partitioned) are left out, as there. On gloo every collective is an exchange
+        (``comm.exchanges``) with a (world, total) buffer of its own: a bucket's all-gather packs into
+        it (its input grows to world × total), a reduce-scatter receives into it; elsewhere a parameter
+        gathered alone whose shard is read in place is copied for the collective first (its shard
+        bytes). A synchronous ``all_gather`` / ``reduce_grad`` holds them for its own step only."""
         bucket = n.target in (GATHER_BUCKET, REDUCE_BUCKET)
         gather = n.target in (GATHER_BUCKET, GATHER, ALL_GATHER)
         if bucket:
@@ -487,18 +491,24 @@ class _Builder:
             waits = []
         last = max(waits, key=pos.__getitem__) if waits else n
         where = f"{stage}:{last.name}"
-        if bucket:  # each rounded up as the runtime's pool hands them out (``bucket.flat_nbytes``)
-            dev = handles[0].placement.compute_device
-            held = flat_nbytes(total * item, dev) + flat_nbytes(world * total * item, dev)
+        dev = handles[0].placement.compute_device
+        # on gloo, both collectives run as an exchange (``comm.exchanges``) with a (world, total) buffer of
+        # their own from the pool: an all-gather's send buffer, a reduce-scatter's receive buffer
+        exchange = flat_nbytes(world * total * item, dev) if _exchanges(handles[0], dev) else 0
+        if bucket:  # each rounded up as the runtime's pool hands them out (``tiers.flat_nbytes``)
+            packed = exchange if gather and exchange else flat_nbytes((1 if gather else world) * total * item, dev)
+            out = flat_nbytes((world if gather else 1) * total * item, dev)
+            held = packed + out + (exchange if not gather else 0)
             self.extra.append(Interval(f"{stage}:{n.name}", "device", "comm", "bucket", held,
                                        pos[n], pos[last], where, (), None))
-        if gather and not bucket and handles[0].reads_in_place():
+            return
+        if exchange:
+            self.extra.append(Interval(f"{stage}:{n.name}", "device", "comm", "exchange", exchange,
+                                       pos[n], pos[last], where, (), handles[0].name))
+        elif gather and handles[0].reads_in_place():
             # a shard read in place is copied for its collective (``ParamHandle.collective_input``)
             self.extra.append(Interval(f"{stage}:{n.name}", "device", "comm", "collective_input", total * item,
                                        pos[n], pos[last], where, (), handles[0].name))
-        if _backend(handles[0]) == "gloo":
-            self.extra.append(Interval(f"{stage}:{n.name}", "device", "comm", "gloo_copy", world * total * item,
-                                       pos[n], pos[last], where, (), None if bucket else handles[0].name))
 
     def _grad_intervals(self, stage: str, n: torch.fx.Node, grad: torch.fx.Node, uid: int, param: Optional[str],
                         h: Any, shard_numel: Optional[int], otier: str, pos: Dict[torch.fx.Node, int]) -> None:
@@ -658,6 +668,12 @@ def _handle(uid: int) -> Optional[store.ParamHandle]:
         return store.get(uid)
     except RuntimeError:
         return None
+
+
+def _exchanges(h: store.ParamHandle, device: Any) -> bool:
+    """Whether ``h``'s collectives on ``device`` tensors run as exchanges (``zinf_runtime.comm.exchanges``:
+    gloo, host tensors, dp > 1)."""
+    return "gloo" in str(_backend(h)) and torch.device(device).type == "cpu" and h.world > 1
 
 
 def _backend(h: store.ParamHandle) -> Optional[str]:

@@ -61,7 +61,7 @@ def main(out_path: str, options_json: str, steps: int, global_batch: int, cfg_js
     transfers = dict(zinf_runtime.handle_of(next(model.parameters())).context.transfers.counters)
     full = zinf_compile.full_state_dict(model, rank0_only=True)
     # one more step, after the results above: the buckets' flat buffers come from the model's pool,
-    # so a step like the earlier ones allocates none (runtime/bucket.py, flat_buffer)
+    # so a step like the earlier ones allocates none (runtime/tiers.py, flat_buffer)
     pool = zinf_runtime.handle_of(next(model.parameters())).context.pool
     before = pool.allocations
     train_on_slices(cmodel, opt, cfg, 1, global_batch)

@@ -77,7 +77,7 @@ def measure(cfg: GPTConfig, options: dict) -> dict:
         zinf_compile.reset_peak_memory_stats()
         base = {k: zinf_compile.memory_stats(model)["device"][k]["current"] for k in ("gathered", "comm")}
         # the buckets' buffers from earlier steps, idle in the model's pool, are memory this step uses
-        # with no allocation the profiler could see (runtime/bucket.py, flat_buffer): counted as held
+        # with no allocation the profiler could see (runtime/tiers.py, flat_buffer): counted as held
         pooled = zinf_runtime.contexts_of(model)[0].pool.idle_bytes
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             loss = cm(x, y)
@@ -110,7 +110,7 @@ def measure(cfg: GPTConfig, options: dict) -> dict:
     assert held, "no collective ran"
     # every all-gather's output is given up however many references remain: a gathered parameter's
     # buffer is freed (released after its last use), a bucket's output goes back to the model's pool
-    # (at its last member's wait), idle there for the next bucket (runtime/bucket.py, flat_buffer)
+    # (at its last member's wait), idle there for the next bucket (runtime/tiers.py, flat_buffer)
     pool = zinf_runtime.contexts_of(model)[0].pool
     gather_bytes_left = sum(out.untyped_storage().nbytes() for kind, out, _ in held
                             if kind == "gather" and not pool.holds(out))
