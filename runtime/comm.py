@@ -269,13 +269,15 @@ def exchanges(t: torch.Tensor, group: ProcessGroup) -> bool:
     each (an all-gather sends its shard replicated; a reduce-scatter sends each rank its slice, then
     sums what it received in rank order).
 
-    Why: on gloo, ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` stage through copies of
-    their own and take more time and CPU than that exchange moving the same bytes: 2 ranks on this
-    2-core host, fp32, 7 MiB outputs or inputs (a GPT block's bucket), per call: all-gather 4.2-4.9 ms
-    (3.6-4.0 ms of CPU) against 3.4-3.7 ms (2.5 ms), reduce-scatter 8.5-8.9 ms (5.6-6.5 ms of CPU)
-    against 3.3-3.4 ms (2.3 ms) (``benchmarks/collective_algorithms.py``). On two cores that CPU is
-    the compute's. The sum is exact to the same bits at 2 ranks (``a + b == b + a``) and, beyond, in
-    a fixed rank order; an all-gather only moves bytes. On NCCL torch's collectives stay (on the
+    Why: on gloo, ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` stage through copies of
+    their own. 2 ranks on this 2-core host, fp32, per call (``benchmarks/collective_algorithms.py``,
+    two runs): a 7 MiB reduce-scatter (a GPT block's bucket) took 8.7-9.7 ms and 5.7-6.9 ms of CPU
+    against 3.8-4.1 ms and 2.8 ms; at 64 MiB 2.2-2.4x. An all-gather gained less: 0.9-1.25x at
+    1-16 MiB with about the same CPU, 1.5x at 64 MiB; it is an exchange too because it then needs
+    no copy of a shard read in place (its send buffer is the copy), and the 25M GPT's dp-2 step was
+    2-4% faster with it than with the reduce-scatter alone. On two cores the collectives' CPU is the
+    compute's. The sum is exact to the same bits at 2 ranks (``a + b == b + a``) and, beyond, in a
+    fixed rank order; an all-gather only moves bytes. On NCCL torch's collectives stay (on the
     device, in place, at link speed)."""
     return _initialized() and _sliced_wait(t, group) and world_size(group) > 1
 
