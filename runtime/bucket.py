@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from . import comm, store
-from .tiers import BufferPool, flat_buffer, flat_nbytes  # noqa: F401 (flat_nbytes: the memory plan's)
+from .tiers import BufferPool, flat_buffer
 from .transfer import Ticket, _nb
 
 
@@ -166,10 +166,10 @@ def op_reduce_bucket(grads: List[torch.Tensor], params: List[torch.Tensor], uids
             total = sum(sizes)
             device = grads[members[0]].device
             group = first.placement.group
-            exchange = comm.exchanges(grads[members[0]], group)  # + its receive buffer
-            own, (flat_pack, out, *recv) = bucket_buffers(
-                first.context, device, torch.float32, (world * total, total) + ((world * total,) if exchange else ()),
-                len(members))
+            exchange = comm.exchanges(grads[members[0]], group)  # + its receive buffer, as big as the pack
+            own, bufs = bucket_buffers(first.context, device, torch.float32,
+                                       (world * total, total, world * total)[: 3 if exchange else 2], len(members))
+            flat_pack, out = bufs[0], bufs[1]
             pack = flat_pack.view(world, total)
             buffers, parts = [], []
             for i, n in zip(members, sizes):
@@ -183,7 +183,7 @@ def op_reduce_bucket(grads: List[torch.Tensor], params: List[torch.Tensor], uids
                     flat = torch.nn.functional.pad(flat, (0, h.padded_numel - h.numel))
                 parts.append(flat.view(world, n))
             torch.cat(parts, dim=1, out=pack)  # one packing call (rank r's row: every member's rank-r part)
-            work = comm.reduce_scatter_flat(out, flat_pack, group, async_op=True, recv=recv[0] if recv else None)
+            work = comm.reduce_scatter_flat(out, flat_pack, group, async_op=True, recv=bufs[2] if exchange else None)
             eng.counters["reduce_scatter_bucket"] = eng.counters.get("reduce_scatter_bucket", 0) + 1
             shards: List[torch.Tensor] = []
 

@@ -449,14 +449,20 @@ class ParamHandle:
             if self.rank == self.owner:
                 buf.copy_(shard)
             return buf, comm.broadcast_flat(buf, self.owner, self.placement.group, async_op=async_op)
-        if comm.exchanges(shard, self.placement.group):  # its send buffer from the pool, back when done
-            world_n = self.world * shard.numel()
-            raw = tiers.flat_buffer(self.context.pool, world_n, shard.dtype, shard.device)
-            work = comm.all_gather_flat(buf, shard, self.placement.group, async_op=async_op, send=raw[:world_n],
-                                        then=lambda: self.context.pool.release(raw))
+        if comm.exchanges(shard, self.placement.group):
+            send, give_back = self._exchange_buffer(self.world * shard.numel(), shard)
+            work = comm.all_gather_flat(buf, shard, self.placement.group, async_op=async_op, send=send,
+                                        then=give_back)
         else:
             work = comm.all_gather_flat(buf, shard, self.placement.group, async_op=async_op)
         return buf, work
+
+    def _exchange_buffer(self, numel: int, like: torch.Tensor) -> Tuple[torch.Tensor, Callable[[], None]]:
+        """An exchange's send or receive buffer (``comm.exchanges``) of ``numel`` elements of ``like``'s
+        dtype from the model's pool, as a bucket's (``tiers.flat_buffer``), and the call that gives it
+        back once the collective is done."""
+        raw = tiers.flat_buffer(self.context.pool, numel, like.dtype, like.device)
+        return raw[:numel], lambda: self.context.pool.release(raw)
 
     def gathered_view(self, buf: torch.Tensor) -> torch.Tensor:
         """The parameter's shape over a gathered buffer (its padding cut off, when it has any: one
@@ -600,10 +606,10 @@ class ParamHandle:
             flat = torch.nn.functional.pad(flat, (0, self.padded_numel - self.numel))
         flat = flat.contiguous()
         shard = self.new_grad_shard(flat.device)
-        if comm.exchanges(flat, self.placement.group):  # its receive buffer from the pool, back when done
-            raw = tiers.flat_buffer(self.context.pool, flat.numel(), flat.dtype, flat.device)
-            work = comm.reduce_scatter_flat(shard, flat, self.placement.group, async_op=async_op,
-                                            recv=raw[: flat.numel()], then=lambda: self.context.pool.release(raw))
+        if comm.exchanges(flat, self.placement.group):
+            recv, give_back = self._exchange_buffer(flat.numel(), flat)
+            work = comm.reduce_scatter_flat(shard, flat, self.placement.group, async_op=async_op, recv=recv,
+                                            then=give_back)
         else:
             work = comm.reduce_scatter_flat(shard, flat, self.placement.group, async_op=async_op)
         return shard, (work, flat, not shares_storage(flat, grad))
