@@ -83,6 +83,8 @@ def row_options(row: str, args: argparse.Namespace, nvme_path: str) -> Dict[str,
             opts["reduce_depths"] = tuple(int(d) for d in args.reduce_depths.split(","))
     if row != "serial" and args.optimizer_prefetch is not None:  # default: the Config's (on)
         opts["optimizer_prefetch"] = args.optimizer_prefetch == "on"
+    if args.read_cache_bytes is not None:  # every NVMe row (default: the Config's)
+        opts["nvme_read_cache_bytes"] = args.read_cache_bytes
     if row == "overlap_opt":
         opts["overlap_optimizer_step"] = True
     elif row == "scheduled" and args.trace:  # scheduled: the defaults, plus the trace if asked for
@@ -353,6 +355,8 @@ def spawn(args: argparse.Namespace, row: str, extra: List[str], tmp: str) -> Dic
         cmd += ["--trace", args.trace]
     if args.optimizer_prefetch:
         cmd += ["--optimizer-prefetch", args.optimizer_prefetch]
+    if args.read_cache_bytes is not None:
+        cmd += ["--read-cache-bytes", str(args.read_cache_bytes)]
     cmd += extra
     print(f"[{row}] running", flush=True)
     t0 = time.perf_counter()
@@ -422,6 +426,7 @@ def report(args: argparse.Namespace, results: Dict[str, Dict[str, Any]], summary
                    + (f", prefetch {tuple(o['prefetch_depths'])}, reduce {tuple(o['reduce_depths'])}"
                       if "prefetch_depths" in o else (", defaults" if row == "scheduled" else ""))
                    + (", optimizer_prefetch off" if o.get("optimizer_prefetch") is False else "")
+                   + (f", read cache {o['nvme_read_cache_bytes'] >> 20} MiB" if "nvme_read_cache_bytes" in o else "")
                    + (", defaults + overlap_optimizer_step" if o.get("overlap_optimizer_step") else ""))
             rd = r.get("nvme", {}).get("bytes_read_per_step")
             wr = r.get("nvme", {}).get("bytes_written_per_step")
@@ -521,6 +526,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the scheduled rows' reduce_depths, with --prefetch-depths (default 1,2)")
     p.add_argument("--optimizer-prefetch", choices=["on", "off"], default=None,
                    help="optimizer_prefetch of the scheduled and overlap_opt rows (default: the Config's)")
+    p.add_argument("--read-cache-bytes", type=int, default=None, metavar="N",
+                   help="nvme_read_cache_bytes of every NVMe row (default: the Config's, 64 MiB; 0: off)")
     p.add_argument("--trace", default=None, metavar="PATH", help="pass option trace=PATH to the scheduled row")
     p.add_argument("--transfer-repeat", type=int, default=3, help="write+read runs of the transfer row (median)")
     p.add_argument("--row-timeout", type=float, default=3600, help="seconds before a row's process is killed")

@@ -43,7 +43,7 @@ class Carry:
         self.heads: Dict[Stage, List[int]] = {}  # stage -> uids of its first NVMe reads, in use order
         self.next: Dict[Stage, Stage] = {}  # stage -> the stage that ended after it last time
         self._last: Optional[Stage] = None
-        self._reads: Dict[Stage, Dict[int, Tuple[Any, int, torch.Tensor, Any, Any]]] = {}
+        self._reads: Dict[Stage, Dict[int, Tuple[Any, int, torch.Tensor, Any]]] = {}
         self.counters: Dict[str, int] = {"carried": 0, "adopted": 0, "stale": 0, "dropped": 0,
                                          "across_graphs": 0}
 
@@ -79,10 +79,12 @@ class Carry:
             if slot.tier != "nvme":
                 continue
             host, read = h.load_host()
-            if read is not None:
-                reads[uid] = (slot, slot.version, host, read, h.context.pool)
-                self.counters["carried"] += 1
-                self.counters["across_graphs"] += nxt[0] != key
+            if read is None:  # in the read cache already: nothing to carry
+                h.keep_read(host)
+                continue
+            reads[uid] = (slot, slot.version, host, read)
+            self.counters["carried"] += 1
+            self.counters["across_graphs"] += nxt[0] != key
         if reads:
             self._reads[here] = reads
 
@@ -92,12 +94,12 @@ class Carry:
             entry = reads.pop(h.uid, None)
             if entry is None:
                 continue
-            slot, version, host, read, pool = entry
+            slot, version, host, read = entry
             if (h.param_copy or h._whole()) is slot and slot.version == version:
                 self.counters["adopted"] += 1
                 return host, read
             self.counters["stale"] += 1
-            _finish(read, host, pool)
+            _finish(slot, read, host)
             return None
         return None
 
@@ -107,21 +109,24 @@ class Carry:
             self._drop_stage(here)
 
     def _drop_stage(self, here: Stage) -> None:
-        for _, _, host, read, pool in self._reads.pop(here, {}).values():
+        for slot, _, host, read in self._reads.pop(here, {}).values():
             self.counters["dropped"] += 1
-            _finish(read, host, pool)
+            _finish(slot, read, host)
 
     @property
     def in_flight(self) -> int:
         return sum(len(r) for r in self._reads.values())
 
 
-def _finish(read: Any, host: torch.Tensor, pool: Any) -> None:
+def _finish(slot: Any, read: Any, host: torch.Tensor) -> None:
+    """A carried read nobody takes: its buffer goes to the read cache (if the slot did not change
+    since and the read succeeded) or to the pool (``Slot.keep_read``)."""
     try:
         read.wait()
     except Exception:  # noqa: BLE001 - a discarded read's error is not the caller's; the real read reports it
-        pass
-    pool.release(host)
+        slot.pool.release(host)
+        return
+    slot.keep_read(host)
 
 
 def carry_of(engine: Any) -> Carry:

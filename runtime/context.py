@@ -43,6 +43,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from . import accounting, tiers
+from .read_cache import ReadCache
 from .transfer import TransferEngine
 from .swap import SwapConfig, SwapEngine
 
@@ -69,6 +70,7 @@ class RuntimeContext:
         self.pool = pool if pool is not None else tiers.BufferPool()
         self.writes = writes if writes is not None else tiers.WriteTracker()
         self.dirty = tiers.DirtyTracker()  # NVMe values kept in memory unwritten (gradients; Slot.set defer)
+        self.read_cache = ReadCache(self.pool)  # clean NVMe reads kept for the next reader (runtime/read_cache.py)
         self._engines: Dict[Tuple[SwapConfig, int], SwapEngine] = {}
         self._lock = threading.Lock()
         self._keys: List[Any] = []  # compile keys resolved to this context, kept so their ids stay unique
@@ -108,6 +110,7 @@ class RuntimeContext:
         context must not be used afterwards."""
         self.transfers.close()
         self._finalizer()
+        self.read_cache.clear()
         self.pool.clear()
 
     def __repr__(self) -> str:

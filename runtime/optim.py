@@ -244,7 +244,7 @@ class ShardedOptimizerMixin:
             size += b
 
         def read(slot: Slot) -> tuple:
-            return slot.get_async(out=slot.pool.acquire(slot.numel, slot.dtype))
+            return slot.read_owned()  # a master backward's fetch left in the read cache: no IO
 
         def load(group: List[tuple[int, store.ParamHandle]]) -> list:
             out = []

@@ -64,6 +64,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from . import packed_state, tiers
+from .read_cache import ReadCache
 from .transfer import Job, Lane
 
 #: optimizer tiers each feature applies to
@@ -131,6 +132,7 @@ class _PrivateWrites:
         self.pool = ctx.pool
         self.writes = tiers.WriteTracker(cap_bytes=1 << 62)
         self.dirty = tiers.DirtyTracker()  # unused: shadows are written at once
+        self.read_cache = ReadCache(ctx.pool, cap_bytes=0)  # unused: shadows are never fetched
 
 
 class Entry:
@@ -257,7 +259,7 @@ class OptimizerOverlap:
                 self._jobs.append(e.job)
         else:  # prefetch (NVMe): start the reads of the master and the moments now
             if u.master.tier == "nvme":  # else the step uses the master in memory as it is
-                e.master, e.master_read = u.master.get_async(out=pool.acquire(numel, torch.float32))
+                e.master, e.master_read = u.master.read_owned()  # backward's fetch may have left it cached
             if u.optim_state.present:
                 e.state_buf, e.state_read = u.optim_state.read_async(pool)
             self.stats["prefetched"] += 1
@@ -283,8 +285,7 @@ class OptimizerOverlap:
         hp = _snapshot(opt.param_groups[e.gi])
         if u.placement.master_tier == "nvme":
             on_disk = u.master.tier == "nvme"  # else a master in memory (store.master_home): stepped on a copy
-            master, hm = (u.master.get_async(out=pool.acquire(u.shard_numel, torch.float32)) if on_disk
-                          else (u.master.resident().clone(), None))
+            master, hm = u.master.read_owned() if on_disk else (u.master.resident().clone(), None)
             ps = u.optim_state
             buf, hs = ps.read_async(pool) if ps.present else (None, None)
             if hm is not None:

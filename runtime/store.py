@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 import torch
 
-from . import accounting, broadcast, comm, hostsync, tiers, triton_copy
+from . import accounting, broadcast, comm, hostsync, read_cache, tiers, triton_copy
 from .context import DEFAULT, RuntimeContext, resolve_context
 from .eager_access import DATA_FREE, NOT_SERVED, PartitionedDataError, eager_call  # noqa: F401 (re-exported)
 from .grads import ShardedGrad
@@ -57,6 +57,7 @@ class Placement:
     sub_group_bytes: int = 256 << 20  # NVMe optimizer: bytes of states stepped at a time
     partition: str = "bandwidth"  # "bandwidth": 1/dp per rank; "broadcast": one owner (runtime/broadcast.py)
     nvme_min_bytes: int = 0  # a parameter whose fp32 shard is smaller stays in CPU memory (``for_numel``)
+    read_cache_bytes: int = read_cache.DEFAULT_CAP_BYTES  # NVMe parameter reads kept for re-reads (read_cache.py)
     context: Optional[RuntimeContext] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -169,6 +170,8 @@ class ParamHandle:
         self.master: Optional[tiers.Slot] = self._slot(home, "param", torch.float32, "master")
         # the copy forward/backward fetch; None: the master serves (see ``master_home``)
         self.param_copy: Optional[tiers.Slot] = None if shared else self._slot(pl.tier, "param", dtype, "param")
+        if (self.param_copy or self.master).tier == "nvme":
+            self.context.read_cache.cap_bytes = pl.read_cache_bytes
         self.grad_slot: tiers.Slot = self._slot(pl.master_tier, "grad", torch.float32, "grad")
         if self.grad_slot.tier == "nvme":  # NVMe gradients kept in memory: up to what the optimizer streams
             self.context.dirty.cap_bytes = pl.sub_group_bytes
@@ -365,12 +368,19 @@ class ParamHandle:
 
     def load_host(self) -> Tuple[Optional[torch.Tensor], Optional[SwapHandle]]:
         """NVMe tier: start reading this rank's shard into a pooled host buffer; returns the buffer
-        and the read's handle (wait before ``upload``). Memory tiers: ``(None, None)``."""
+        and the read's handle (wait before ``upload``; None when the read cache held the shard and
+        nothing is read). Memory tiers: ``(None, None)``. The buffer goes back through ``upload`` or
+        ``keep_read``."""
         slot = self.param_copy or self._whole()
         if slot.tier != "nvme":
             return None, None
-        host = self.context.pool.acquire(slot.numel, slot.dtype, slot.pin)
-        return host, slot.get_async(out=host)[1]
+        return slot.read_owned(keep=True)
+
+    def keep_read(self, host: torch.Tensor, fence: Optional[hostsync.Fence] = None) -> None:
+        """Done with a host buffer ``load_host`` filled (``fence``: device work still reading it): kept
+        as the slot's clean copy for its next reader, backward's fetch or the optimizer's master read
+        (``zinf_runtime.read_cache``), else back to the pool."""
+        (self.param_copy or self._whole()).keep_read(host, fence)
 
     def new_shard(self, dtype: torch.dtype) -> torch.Tensor:
         """An empty shard-sized buffer on the compute device, accounted as gathered at dp = 1 (where
@@ -384,7 +394,8 @@ class ParamHandle:
                out: Optional[torch.Tensor] = None,
                give_back: Optional[Callable[[torch.Tensor, hostsync.Fence], None]] = None) -> torch.Tensor:
         """Copy this rank's shard to the compute device, casting to ``dtype``: from ``host`` (a
-        pooled buffer ``load_host`` filled; handed back to the pool here) or the memory-tier slot.
+        pooled buffer ``load_host`` filled; handed back here, to the read cache or the pool, by
+        ``keep_read``) or the memory-tier slot.
 
         From host memory on CUDA, one fused Triton kernel reads the pinned shard and casts it while
         copying (``triton_copy.gather_cast``), instead of a host-side cast plus a copy.
@@ -422,7 +433,7 @@ class ParamHandle:
             return out
         finally:
             if pooled:
-                (give_back or pool.release)(host, fence)
+                (give_back or self.keep_read)(host, fence)
 
     def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
         """The full parameter from every rank's shard; accounted as gathered bytes until released."""

@@ -303,6 +303,7 @@ class Slot:
         self._dirty_pooled = False  # _dirty is a pool buffer: back to the pool when discarded or written
         self.fence = hostsync.Fence()  # device work in flight on _mem
         self.version = 0  # bumped by every write and drop: a read started earlier is stale (runtime/carry.py)
+        self._reads: Dict[int, int] = {}  # read_owned(keep=True) buffers out: data_ptr -> version read
 
     @property
     def accounting(self) -> accounting.Accounting:
@@ -383,6 +384,7 @@ class Slot:
             self.fence.wait()  # an upload may still read, or an accumulate still write, _mem
             self._mem.copy_(value.reshape(-1))
             return
+        self.ctx.read_cache.drop(self)  # after the version bump (ReadCache.put checks it)
         self.flush()  # one write in flight per slot: its buffer is recycled before the next
         data = value.detach().reshape(-1)
         if donate and data.device.type == "cpu" and data.dtype == self.dtype:
@@ -434,7 +436,8 @@ class Slot:
     def get_async(self, out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[SwapHandle]]:
         """Start reading (NVMe) into ``out`` (default: a new tensor; take one from ``pool`` to reuse
         memory); the tensor is valid once the handle's ``wait()`` returns. The handle is None when
-        nothing is read: a memory tier (the resident tensor itself) or a deferred value (copied)."""
+        nothing is read: a memory tier (the resident tensor itself), a deferred value or a value in
+        the read cache (``zinf_runtime.read_cache``; both copied)."""
         if self.tier != "nvme":
             if self._mem is None:
                 raise RuntimeError(f"zinf: slot {self.key or self.kind} is empty")
@@ -444,6 +447,13 @@ class Slot:
             if out is None:
                 return self._dirty.clone(), None
             return out.copy_(self._dirty), None
+        version = self.version
+        cached = self.ctx.read_cache.take(self)
+        if cached is not None:  # copied, then put back for the next reader
+            value = cached.clone() if out is None else out.copy_(cached)
+            if not self.ctx.read_cache.put(self, cached, None, version):
+                self.pool.release(cached)
+            return value, None
         if not self._written:
             raise RuntimeError(f"zinf: swap key {self.key} was never written")
         if out is None:
@@ -451,6 +461,33 @@ class Slot:
             if self.pin:
                 out = out.pin_memory()
         return out, self.swap.read(self.key, out)
+
+    def read_owned(self, keep: bool = False) -> Tuple[torch.Tensor, Optional[SwapHandle]]:
+        """NVMe: the whole value in a pool buffer the caller owns (valid after the handle's wait; the
+        handle is None when nothing is read): the read cache's copy when it holds one, else a read
+        into a new pool buffer. ``keep``: the caller will hand the buffer, unchanged, to
+        ``keep_read`` when done (a fetch); without it the caller may change the buffer and gives it to
+        the pool or to ``set`` (the optimizer's master).
+
+        Why: forward, backward and the optimizer each read a parameter's file, and between them it
+        does not change; the cache saves the re-reads (``zinf_runtime.read_cache``)."""
+        version = self.version
+        buf = self.ctx.read_cache.take(self)
+        handle = None
+        if buf is None:
+            # pinned (on CUDA) for a fetch, which uploads it; the optimizer steps on the host
+            buf, handle = self.get_async(out=self.pool.acquire(self.numel, self.dtype, self.pin and keep))
+        if keep:
+            self._reads[buf.data_ptr()] = version
+        return buf, handle
+
+    def keep_read(self, buf: torch.Tensor, fence: Optional[hostsync.Fence] = None) -> None:
+        """Done with a buffer from ``read_owned(keep=True)``, unchanged (``fence``: device work still
+        reading it): it becomes the read cache's copy of this slot, unless the slot was written or
+        dropped since that read started (then, or when the cache refuses it, it goes to the pool)."""
+        version = self._reads.pop(buf.data_ptr(), None)
+        if version is None or not self.ctx.read_cache.put(self, buf, fence, version):
+            self.pool.release(buf, fence)
 
     def flush(self) -> None:
         """Wait for this slot's last write (so its error, e.g. disk full, surfaces here)."""
@@ -475,6 +512,8 @@ class Slot:
         value is gone, but the swap engine keeps its file for the slot's next write to overwrite
         (``SwapEngine.remove``), for a slot rewritten soon with the same size (a gradient)."""
         self.version += 1
+        if self.tier == "nvme":
+            self.ctx.read_cache.drop(self)
         if self._mem is not None:
             self.fence.wait()  # pinned memory freed under a running kernel could be handed out again
             self.accounting.sub(self.tier, self.kind, self.nbytes)

@@ -313,12 +313,16 @@ def op_load(param: torch.Tensor, uid: int) -> torch.Tensor:
 
         carried = carry_of(eng).take(h)
     host, read = carried if carried is not None else h.load_host()
-    if read is None:
-        tok = eng.done("nvme_read", h.name)
+    if read is None:  # a memory tier (None), or the shard from the read cache (nothing to wait for)
+        tok = eng.done("nvme_read", h.name, host)
     else:
-        tok = eng.start(Ticket("nvme_read", h.name, _nb(host), lambda: (read.wait(), host)[1], keep=(host,)))
+        tok = eng.start(_read_ticket(h, host, read))
     eng.leave()
     return tok
+
+
+def _read_ticket(h: Any, host: torch.Tensor, read: Any) -> Ticket:
+    return Ticket("nvme_read", h.name, _nb(host), lambda: (read.wait(), host)[1], keep=(host,))
 
 
 def op_upload(param: torch.Tensor, uid: int, shard_numel: int, dtype: torch.dtype,
@@ -339,8 +343,10 @@ def _upload(h: Any, eng: TransferEngine, dtype: torch.dtype, loaded: Optional[to
     if load is None:
         host, read = h.load_host()
         if read is not None:  # an NVMe shard the schedule gave no read of its own: read it now
-            load = Ticket("nvme_read", h.name, _nb(host), lambda: (read.wait(), host)[1], keep=(host,))
+            load = _read_ticket(h, host, read)
             load.engine = eng
+        elif host is not None:  # ... found in the read cache
+            load = Ticket("nvme_read", h.name, 0, lambda: host)
     if load is None:
         alias = h.shard_in_place(dtype)
         if alias is not None:  # nothing to move: the slot is read where it is
@@ -365,7 +371,7 @@ def _upload(h: Any, eng: TransferEngine, dtype: torch.dtype, loaded: Optional[to
             c.wait_event(ev)
             out.record_stream(c)
             for buf, fence in pooled:  # the fence waits for the copy reading it before it is reused
-                h.context.pool.release(buf, fence)
+                h.keep_read(buf, fence)
             return out
 
         return eng.start(Ticket("h2d", h.name, nbytes, ready, keep=(out,)))

@@ -336,7 +336,12 @@ def test_nvme_plan_counts_files_on_nvme_and_host_buffers_on_cpu(cap, tmp_path):
     assert plan.peak("cpu", "optim") == 4 * len(params)  # one fp32 ``step`` per parameter, in memory
     assert plan.peak("device", "param") == plan.peak("device", "grad") == 0
     assert plan.peak("cpu", "staging") > 0  # reads land in host buffers; writes send host copies
-    assert all(iv.role in ("read_buffer", "write_buffer") for iv in plan.intervals if iv.kind == "staging")
+    assert all(iv.role in ("read_buffer", "read_cache", "write_buffer") for iv in plan.intervals
+               if iv.kind == "staging")
+    # fetched shards the read cache keeps (zinf_runtime.read_cache): never more than its cap at once
+    cached = [iv for iv in plan.intervals if iv.role == "read_cache"]
+    live = [sum(iv.nbytes for iv in cached if iv.start <= i <= iv.end) for i in range(len(plan.steps))]
+    assert cached and 0 < max(live) <= zinf_compile.Config().nvme_read_cache_bytes
     pad = lambda n: -(-n // 4096) * 4096  # noqa: E731
     # steady training: master, gradient (if written) and the packed moments each in two files (the spare)
     assert plan.nvme_file_bytes() == sum((2 + 2 * g) * pad(p.numel() * 4) + 2 * pad(p.numel() * 8) for p in params)

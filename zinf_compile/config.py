@@ -63,6 +63,10 @@ class Config:
         of RAM per element: each state on NVMe is a file and a request per step, whose fixed cost
         does not shrink with its size. 0 (the default) puts every parameter on NVMe; see the README's
         Options table for what it gained here.
+    nvme_read_cache_bytes: with parameters on NVMe, host bytes of shards kept after a fetch read
+        them (clean copies, dropped when the file is written), so backward's fetch and the optimizer's
+        master read find them instead of reading the file again (``zinf_runtime.read_cache``). 0 turns
+        it off; a shard larger than this is never kept. Default 64 MiB per rank and model.
     mixed_precision: ``None`` trains in the model's dtype; ``"bf16"``/``"fp16"`` run the model as under
         ``torch.autocast`` with that dtype, all-gathering parameters in it where every use is a cast,
         while master weights, gradient shards and optimizer state stay fp32.
@@ -143,6 +147,7 @@ class Config:
     nvme_reuse_files: bool = True
     optimizer_sub_group_bytes: int = 256 << 20
     nvme_min_shard_bytes: int = 0
+    nvme_read_cache_bytes: int = 64 << 20
     mixed_precision: Optional[str] = None
     dump_dir: Optional[str] = field(default_factory=lambda: os.environ.get("ZINF_DUMP_DIR") or None)
     process_group: Optional[Any] = None
@@ -195,7 +200,7 @@ class Config:
             raise ValueError(f"zinf option 'optimizer_sub_group_bytes': invalid value "
                              f"{self.optimizer_sub_group_bytes!r}; expected a positive int")
         for key, minimum, optional in (("tile_threshold_bytes", 0, False), ("nvme_min_shard_bytes", 0, False),
-                                       ("tiles", 1, True), ("device_memory_budget", 1, True)):
+                                       ("nvme_read_cache_bytes", 0, False), ("tiles", 1, True), ("device_memory_budget", 1, True)):
             value = getattr(self, key)
             if value is None and optional:
                 continue
@@ -268,7 +273,8 @@ class Config:
             tier=TIER_OF[self.offload_params], compute_device=device, group=self.resolved_group(),
             optim_tier=TIER_OF[self.offload_optimizer], swap=self.swap_config(),
             sub_group_bytes=self.optimizer_sub_group_bytes, partition=self.partition,
-            nvme_min_bytes=self.nvme_min_shard_bytes, context=context)
+            nvme_min_bytes=self.nvme_min_shard_bytes, read_cache_bytes=self.nvme_read_cache_bytes,
+            context=context)
 
     def swap_config(self) -> Any:
         """The runtime's swap settings (None without an NVMe tier)."""

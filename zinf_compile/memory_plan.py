@@ -34,6 +34,10 @@ holds), never on ``cpu``. What NVMe IO needs in host memory is the ``cpu`` tier'
     cpu     staging      read_buffer:  the host buffer a fetch reads a shard into (+ its cast), from the
                                        read's start (a stage's first reads: from the previous stage's end,
                                        which carries them, ``zinf_runtime.carry``) to the fetch
+                         read_cache:   a fetched shard's buffer kept for its next read (backward's
+                                       fetch, the optimizer's master: ``zinf_runtime.read_cache``), from
+                                       the fetch to that read, its eviction past ``nvme_read_cache_bytes``
+                                       or the end of the step
                          write_buffer: the host copy of a gradient shard an asynchronous write sends, from
                                        its reduce_grad to the end of the step (the runtime also caps the
                                        bytes in flight, ZINF_NVME_WRITE_INFLIGHT, so for big models this
@@ -174,6 +178,44 @@ def _cap_write_buffers(ivs: List["Interval"]) -> List["Interval"]:
             for iv in ivs]
 
 
+def _cached_reads(reads: List[Tuple[Any, int, int, Any, str, Optional[str]]], cap: int, end: int) -> List["Interval"]:
+    """Host buffers the read cache keeps after their fetch (``zinf_runtime.read_cache``), as the
+    runtime keeps them: ``reads`` are ``(unit, read start, fetch, bytes, name, param)``; a fetch's
+    buffer is kept from the fetch on, oldest evicted past ``cap``, until the unit's next read takes
+    it (that read's own interval counts it from its start) or the step ends (the optimizer's master
+    read takes it: the end of the step, an upper bound)."""
+    if not cap or not all(isinstance(r[3], int) for r in reads):
+        return []
+    events = sorted([(r[1], 0, i) for i, r in enumerate(reads)] + [(r[2], 1, i) for i, r in enumerate(reads)])
+    held: Dict[Any, Tuple[int, int]] = {}  # unit -> (read index, kept from), oldest first
+    total = 0
+    out: List[Interval] = []
+
+    def close(unit: Any, last: int) -> None:
+        nonlocal total
+        i, since = held.pop(unit)
+        total -= reads[i][3]
+        if last >= since:
+            out.append(Interval(reads[i][4], "cpu", "staging", "read_cache", reads[i][3], since, last,
+                                "evicted" if last < end else "end", (), reads[i][5]))
+
+    for pos, put, i in events:
+        unit, nbytes = reads[i][0], reads[i][3]
+        if not put:
+            if unit in held:  # taken by this read
+                close(unit, pos - 1)
+            continue
+        if nbytes > cap or unit in held:
+            continue
+        held[unit] = (i, pos + 1)
+        total += nbytes
+        while total > cap:
+            close(next(iter(held)), pos)
+    for unit in list(held):
+        close(unit, end)
+    return out
+
+
 @dataclass(frozen=True)
 class Interval:
     """Bytes live on ``tier`` from step ``start`` to step ``end`` (both included)."""
@@ -267,6 +309,8 @@ class _Builder:
         self.hold_saved = hold_saved
         self.reuse_files = False  # from the records' config (_runtime_nodes)
         self.dirty_cap = 0
+        self.read_cache_cap = 0
+        self.reads: List[Tuple[Any, int, int, Any, str, Optional[str]]] = []  # NVMe fetches (_cached_reads)
         self.stage_last: Dict[Tuple[int, str], int] = {}
         if optimizer not in _OPTIM_BYTES:
             raise ValueError(f"memory_plan: optimizer {optimizer!r} unknown; choose one of {list(_OPTIM_BYTES)}")
@@ -401,6 +445,7 @@ class _Builder:
                        pos: Dict[torch.fx.Node, int], carried_from: Optional[int] = None) -> None:
         self.reuse_files = rec.config.nvme_reuse_files
         self.dirty_cap = rec.config.optimizer_sub_group_bytes  # write-back gradients (tiers.DirtyTracker)
+        self.read_cache_cap = rec.config.nvme_read_cache_bytes
         cfg_tier = TIER_OF[rec.config.offload_params]  # the parameter copy that fetches read
         cfg_otier = TIER_OF[rec.config.offload_optimizer]  # fp32 master, gradient shard, optimizer state
         for n in nodes:
@@ -444,6 +489,7 @@ class _Builder:
                 if tier == "nvme":  # read into a host buffer, copied to the device at once (ParamHandle.fetch_shard)
                     src_dtype = pdtype if not shared else torch.float32
                     nb = shard_numel * torch.empty((), dtype=src_dtype).element_size()
+                    self.reads.append((uid, read_at, pos[n], nb, f"{stage}:{n.name}", param))
                     if dtype != src_dtype:  # + the cast on the host, as transient
                         nb = nb + shard_numel * torch.empty((), dtype=dtype).element_size()
                     self.extra.append(Interval(f"{stage}:{n.name}", "cpu", "staging", "read_buffer", nb, read_at,
@@ -618,6 +664,7 @@ class _Builder:
                                      else self._files(iv, rewritten)) for iv in self.extra]
         written = [iv for iv in extra if not (iv.role == "write_buffer" and iv.param in kept)]
         out += [iv for iv in extra if iv.role == "write_buffer" and iv.param in kept] + _cap_write_buffers(written)
+        out += _cached_reads(self.reads, self.read_cache_cap, last_step)
         out.sort(key=lambda iv: (iv.start, iv.name))
         return MemoryPlan(self.steps, out, dict(self.symbols), graphs)
 

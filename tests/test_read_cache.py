@@ -1,0 +1,196 @@
+"""The read cache (``zinf_runtime.read_cache``): a parameter shard read from NVMe by a fetch is kept
+for backward's fetch and the optimizer's master read, never served once its file changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zinf_compile
+from zinf_compile.models import GPT, GPTConfig, make_batch
+
+from conftest import assert_grads_equal, assert_same_training, train_pair
+from test_swap import small_cfg
+
+CFG = GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4)
+
+
+def _opts(path, **kw) -> dict:
+    # sub-groups that keep every gradient in memory (write-back), so a step's reads are the
+    # parameters' (forward, backward, master) and the moments' only
+    return {"compiler": "eager", "offload_params": "nvme", "offload_optimizer": "nvme", "nvme_path": str(path),
+            "optimizer_sub_group_bytes": 64 << 20, **kw}
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_cached_reads_train_bitwise_like_eager(opt, tmp_path):
+    batches = [make_batch(CFG, 4, seed=i) for i in range(4)]
+    run = train_pair(lambda: GPT(CFG), batches, _opts(tmp_path), opt=opt)
+    assert_grads_equal(run)
+    assert_same_training(run, exact=True)
+    from zinf_runtime.context import contexts_of
+
+    (ctx,) = contexts_of(run.model)
+    assert ctx.read_cache.hits > 0 and 0 < ctx.read_cache.peak_bytes <= ctx.read_cache.cap_bytes
+
+
+def _step_reads(path, cache_bytes: int) -> tuple:
+    """Bytes the swap engine read in the third step, the parameters' fp32 bytes, cache hits."""
+    from zinf_runtime.context import contexts_of
+
+    path.mkdir()
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    cm = torch.compile(model, backend="zinf", options=_opts(path, nvme_read_cache_bytes=cache_bytes))
+    opt = zinf_compile.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(3):
+        if step == 2:
+            (ctx,) = contexts_of(model)
+            (eng,) = ctx.engines()
+            before, hits = eng.stats()["bytes_read"], ctx.read_cache.hits
+        cm(*make_batch(CFG, 4, seed=step)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return eng.stats()["bytes_read"] - before, sum(4 * p.numel() for p in model.parameters()), \
+        ctx.read_cache.hits - hits
+
+
+def test_backward_and_the_optimizer_do_not_read_a_cached_parameter_again(tmp_path):
+    """A model smaller than the cache: forward reads each parameter file, backward's fetch and the
+    optimizer's master read find it in memory. So a step reads the parameters once and Adam's two
+    moments (fp32, packed in one file each), exactly; without the cache the master alone is read
+    again (backward re-fetches most parameters too, except those autograd saved from forward)."""
+    off, params, hits_off = _step_reads(tmp_path / "off", 0)
+    on, params_on, hits_on = _step_reads(tmp_path / "on", 64 << 20)
+    assert params == params_on and hits_off == 0
+    assert on == params + 2 * params, (on, params)
+    assert off - on > params, (off, on, params)
+    n = len(list(GPT(CFG).parameters()))
+    assert hits_on > n  # the master read of every parameter, and backward's fetches
+
+
+def test_a_small_cache_keeps_the_newest_reads_within_its_cap(tmp_path):
+    from zinf_runtime.context import contexts_of
+
+    cap = 8 << 10  # a few of the model's shards (the largest are 8 KiB)
+    batches = [make_batch(CFG, 4, seed=i) for i in range(3)]
+    run = train_pair(lambda: GPT(CFG), batches, _opts(tmp_path, nvme_read_cache_bytes=cap))
+    assert_same_training(run, exact=True)
+    (ctx,) = contexts_of(run.model)
+    assert 0 < ctx.read_cache.peak_bytes <= cap and ctx.read_cache.hits > 0
+
+
+def _slot(ctx, eng, key: str = "p"):
+    from zinf_runtime import tiers
+
+    return tiers.Slot("nvme", "param", 1024, torch.float32, torch.device("cpu"), swap=eng, key=key, ctx=ctx)
+
+
+def test_a_write_or_drop_discards_the_cached_copy(tmp_path):
+    from zinf_runtime.context import RuntimeContext
+    from zinf_runtime.swap import SwapEngine
+
+    ctx = RuntimeContext(name="read cache test")
+    with SwapEngine(small_cfg(tmp_path)) as eng:
+        s = _slot(ctx, eng)
+        v1, v2 = torch.randn(1024), torch.randn(1024)
+        s.set(v1)
+        buf, h = s.read_owned(keep=True)
+        h.wait()
+        s.keep_read(buf)
+        assert len(ctx.read_cache) == 1
+        reads = eng.stats()["reads"]
+        assert torch.equal(s.get(), v1) and eng.stats()["reads"] == reads  # served from memory, kept
+        assert len(ctx.read_cache) == 1
+        s.set(v2)  # the file changes: the copy goes
+        assert len(ctx.read_cache) == 0 and torch.equal(s.get(), v2) and eng.stats()["reads"] == reads + 1
+        buf, h = s.read_owned(keep=True)
+        h.wait()
+        s.keep_read(buf)
+        s.drop()
+        assert len(ctx.read_cache) == 0 and ctx.read_cache.bytes == 0
+
+
+def test_a_read_overtaken_by_a_write_is_not_kept(tmp_path):
+    """The version check: a buffer whose read started before the slot's last write holds the old
+    value and must not become the cached copy."""
+    from zinf_runtime.context import RuntimeContext
+    from zinf_runtime.swap import SwapEngine
+
+    ctx = RuntimeContext(name="read cache test")
+    with SwapEngine(small_cfg(tmp_path)) as eng:
+        s = _slot(ctx, eng)
+        v1, v2 = torch.randn(1024), torch.randn(1024)
+        s.set(v1)
+        buf, h = s.read_owned(keep=True)
+        h.wait()
+        s.set(v2)
+        s.keep_read(buf)  # too late: goes to the pool
+        assert len(ctx.read_cache) == 0 and ctx.pool.holds(buf)
+        assert torch.equal(s.get(), v2)
+
+
+def test_a_taken_copy_belongs_to_its_taker(tmp_path):
+    """``read_owned()`` without ``keep`` (the optimizer's master) takes the cached buffer; changing
+    it in place changes neither the file nor what the next reader gets."""
+    from zinf_runtime.context import RuntimeContext
+    from zinf_runtime.swap import SwapEngine
+
+    ctx = RuntimeContext(name="read cache test")
+    with SwapEngine(small_cfg(tmp_path)) as eng:
+        s = _slot(ctx, eng)
+        v1 = torch.randn(1024)
+        s.set(v1)
+        buf, h = s.read_owned(keep=True)
+        h.wait()
+        s.keep_read(buf)
+        mine, h = s.read_owned()
+        assert h is None and len(ctx.read_cache) == 0 and torch.equal(mine, v1)
+        mine.add_(1.0)
+        assert torch.equal(s.get(), v1)
+
+
+def test_cache_bytes_option_is_validated(tmp_path):
+    with pytest.raises(ValueError, match="nvme_read_cache_bytes"):
+        zinf_compile.Config.from_options(_opts(tmp_path, nvme_read_cache_bytes=-1))
+
+
+def test_the_plan_books_kept_reads_as_the_cache_keeps_them():
+    """``memory_plan._cached_reads``: three units of 4 bytes under an 8-byte cap. The third put
+    evicts the oldest; a unit's next read takes its buffer (its own interval counts it from then);
+    what is still held at the end lives to the end of the step."""
+    from zinf_compile.memory_plan import _cached_reads
+
+    reads = [("a", 0, 1, 4, "fwd:a", "a"), ("b", 1, 2, 4, "fwd:b", "b"), ("c", 2, 3, 4, "fwd:c", "c"),
+             ("c", 5, 6, 4, "bwd:c", "c")]
+    ivs = {(iv.param, iv.start): (iv.end, iv.nbytes) for iv in _cached_reads(reads, 8, 10)}
+    assert ivs == {("a", 2): (3, 4),  # evicted by c's put at 3
+                   ("b", 3): (10, 4),  # never read again: to the end
+                   ("c", 4): (4, 4),  # taken by backward's read at 5
+                   ("c", 7): (10, 4)}
+    assert _cached_reads(reads, 0, 10) == [] and _cached_reads(reads, 2, 10) == []  # off; shards over the cap
+
+
+def test_a_slot_dropped_under_a_fake_tensor_mode_frees_its_copy_and_accounting(tmp_path):
+    """A parameter's finalizer drops its slots whenever the garbage collector runs, e.g. in the
+    middle of another model's compile, under its fake-tensor mode. Dropping the cached copy there
+    must run no tensor op (the pool's ``view`` failed under the mode, the finalizer's error was
+    swallowed, and the slot's NVMe bytes stayed in the accounting for good)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zinf_runtime.context import RuntimeContext
+    from zinf_runtime.swap import SwapEngine
+
+    ctx = RuntimeContext(name="read cache test")
+    with SwapEngine(small_cfg(tmp_path)) as eng:
+        s = _slot(ctx, eng)
+        s.set(torch.randn(1024))
+        buf, h = s.read_owned(keep=True)
+        h.wait()
+        s.keep_read(buf)
+        assert len(ctx.read_cache) == 1 and ctx.accounting.stats()["nvme"]["param"]["current"] == 4096
+        with FakeTensorMode():
+            s.drop()
+        assert len(ctx.read_cache) == 0 and ctx.read_cache.bytes == 0
+        assert ctx.accounting.stats()["nvme"]["param"]["current"] == 0
