@@ -81,74 +81,82 @@ def test_a_small_cache_keeps_the_newest_reads_within_its_cap(tmp_path):
     assert 0 < ctx.read_cache.peak_bytes <= cap and ctx.read_cache.hits > 0
 
 
-def _slot(ctx, eng, key: str = "p"):
+def _fetch(s) -> None:
+    """What a fetch does with a slot: read it into a buffer of its own, then hand the buffer back."""
+    buf, h = s.read_owned(keep=True)
+    if h is not None:
+        h.wait()
+    s.keep_read(buf)
+
+
+@pytest.fixture
+def cached(tmp_path):
+    """A context, its swap engine, and an NVMe slot holding ``v1`` that one fetch read: the cache
+    holds its copy."""
     from zinf_runtime import tiers
-
-    return tiers.Slot("nvme", "param", 1024, torch.float32, torch.device("cpu"), swap=eng, key=key, ctx=ctx)
-
-
-def test_a_write_or_drop_discards_the_cached_copy(tmp_path):
     from zinf_runtime.context import RuntimeContext
     from zinf_runtime.swap import SwapEngine
 
     ctx = RuntimeContext(name="read cache test")
     with SwapEngine(small_cfg(tmp_path)) as eng:
-        s = _slot(ctx, eng)
-        v1, v2 = torch.randn(1024), torch.randn(1024)
-        s.set(v1)
-        buf, h = s.read_owned(keep=True)
-        h.wait()
-        s.keep_read(buf)
-        assert len(ctx.read_cache) == 1
-        reads = eng.stats()["reads"]
-        assert torch.equal(s.get(), v1) and eng.stats()["reads"] == reads  # served from memory, kept
-        assert len(ctx.read_cache) == 1
-        s.set(v2)  # the file changes: the copy goes
-        assert len(ctx.read_cache) == 0 and torch.equal(s.get(), v2) and eng.stats()["reads"] == reads + 1
-        buf, h = s.read_owned(keep=True)
-        h.wait()
-        s.keep_read(buf)
-        s.drop()
-        assert len(ctx.read_cache) == 0 and ctx.read_cache.bytes == 0
-
-
-def test_a_read_overtaken_by_a_write_is_not_kept(tmp_path):
-    """The version check: a buffer whose read started before the slot's last write holds the old
-    value and must not become the cached copy."""
-    from zinf_runtime.context import RuntimeContext
-    from zinf_runtime.swap import SwapEngine
-
-    ctx = RuntimeContext(name="read cache test")
-    with SwapEngine(small_cfg(tmp_path)) as eng:
-        s = _slot(ctx, eng)
-        v1, v2 = torch.randn(1024), torch.randn(1024)
-        s.set(v1)
-        buf, h = s.read_owned(keep=True)
-        h.wait()
-        s.set(v2)
-        s.keep_read(buf)  # too late: goes to the pool
-        assert len(ctx.read_cache) == 0 and ctx.pool.holds(buf)
-        assert torch.equal(s.get(), v2)
-
-
-def test_a_taken_copy_belongs_to_its_taker(tmp_path):
-    """``read_owned()`` without ``keep`` (the optimizer's master) takes the cached buffer; changing
-    it in place changes neither the file nor what the next reader gets."""
-    from zinf_runtime.context import RuntimeContext
-    from zinf_runtime.swap import SwapEngine
-
-    ctx = RuntimeContext(name="read cache test")
-    with SwapEngine(small_cfg(tmp_path)) as eng:
-        s = _slot(ctx, eng)
+        s = tiers.Slot("nvme", "param", 1024, torch.float32, torch.device("cpu"), swap=eng, key="p", ctx=ctx)
         v1 = torch.randn(1024)
         s.set(v1)
-        buf, h = s.read_owned(keep=True)
-        h.wait()
-        s.keep_read(buf)
-        mine, h = s.read_owned()
-        assert h is None and len(ctx.read_cache) == 0 and torch.equal(mine, v1)
-        mine.add_(1.0)
-        assert torch.equal(s.get(), v1)
+        _fetch(s)
+        assert len(ctx.read_cache) == 1 and ctx.read_cache.bytes == 4096
+        yield ctx, eng, s, v1
+
+
+def test_a_write_or_drop_discards_the_cached_copy(cached):
+    ctx, eng, s, v1 = cached
+    reads = eng.stats()["reads"]
+    assert torch.equal(s.get(), v1) and eng.stats()["reads"] == reads  # served from memory, kept
+    assert len(ctx.read_cache) == 1
+    v2 = torch.randn(1024)
+    s.set(v2)  # the file changes: the copy goes
+    assert len(ctx.read_cache) == 0 and torch.equal(s.get(), v2) and eng.stats()["reads"] == reads + 1
+    _fetch(s)
+    assert len(ctx.read_cache) == 1
+    s.drop()
+    assert len(ctx.read_cache) == 0 and ctx.read_cache.bytes == 0
+
+
+def test_a_read_overtaken_by_a_write_is_not_kept(cached):
+    """The version check: a buffer read before the slot's last write holds the old value and must
+    not become the cached copy."""
+    ctx, _, s, _ = cached
+    buf, h = s.read_owned(keep=True)  # a fetch takes the copy ...
+    assert h is None
+    v2 = torch.randn(1024)
+    s.set(v2)  # ... the slot is written while the fetch still uses it ...
+    s.keep_read(buf)  # ... so its hand-back goes to the pool
+    assert len(ctx.read_cache) == 0 and ctx.pool.holds(buf)
+    assert torch.equal(s.get(), v2)
+
+
+def test_a_taken_copy_belongs_to_its_taker(cached):
+    """``read_owned()`` without ``keep`` (the optimizer's master) takes the cached buffer; changing
+    it in place changes neither the file nor what the next reader gets."""
+    ctx, _, s, v1 = cached
+    mine, h = s.read_owned()
+    assert h is None and len(ctx.read_cache) == 0 and torch.equal(mine, v1)
+    mine.add_(1.0)
+    assert torch.equal(s.get(), v1)
+
+
+def test_a_slot_dropped_under_a_fake_tensor_mode_frees_its_copy_and_accounting(cached):
+    """A parameter's finalizer drops its slots whenever the garbage collector runs, e.g. in the
+    middle of another model's compile, under its fake-tensor mode. Dropping the cached copy there
+    must run no tensor op (the pool's ``view`` failed under the mode, the finalizer's error was
+    swallowed, and the slot's NVMe bytes stayed in the accounting for good)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ctx, _, s, _ = cached
+    assert ctx.accounting.stats()["nvme"]["param"]["current"] == 4096
+    with FakeTensorMode():
+        s.drop()
+    assert len(ctx.read_cache) == 0 and ctx.read_cache.bytes == 0
+    assert ctx.accounting.stats()["nvme"]["param"]["current"] == 0
 
 
 def test_cache_bytes_option_is_validated(tmp_path):
@@ -171,26 +179,3 @@ def test_the_plan_books_kept_reads_as_the_cache_keeps_them():
                    ("c", 7): (10, 4)}
     assert _cached_reads(reads, 0, 10) == [] and _cached_reads(reads, 2, 10) == []  # off; shards over the cap
 
-
-def test_a_slot_dropped_under_a_fake_tensor_mode_frees_its_copy_and_accounting(tmp_path):
-    """A parameter's finalizer drops its slots whenever the garbage collector runs, e.g. in the
-    middle of another model's compile, under its fake-tensor mode. Dropping the cached copy there
-    must run no tensor op (the pool's ``view`` failed under the mode, the finalizer's error was
-    swallowed, and the slot's NVMe bytes stayed in the accounting for good)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from zinf_runtime.context import RuntimeContext
-    from zinf_runtime.swap import SwapEngine
-
-    ctx = RuntimeContext(name="read cache test")
-    with SwapEngine(small_cfg(tmp_path)) as eng:
-        s = _slot(ctx, eng)
-        s.set(torch.randn(1024))
-        buf, h = s.read_owned(keep=True)
-        h.wait()
-        s.keep_read(buf)
-        assert len(ctx.read_cache) == 1 and ctx.accounting.stats()["nvme"]["param"]["current"] == 4096
-        with FakeTensorMode():
-            s.drop()
-        assert len(ctx.read_cache) == 0 and ctx.read_cache.bytes == 0
-        assert ctx.accounting.stats()["nvme"]["param"]["current"] == 0
