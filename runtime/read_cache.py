@@ -7,18 +7,21 @@ optimizer writes the stepped master. On the 25M GPT at dp 2 those were 290 of th
 read (``benchmarks/compare.py``'s disk column), and on a GPU box the NVMe step is disk-bound. A fetch
 that is done with its host buffer therefore hands it to its slot instead of to the pool::
 
-    before:  forward   read u7 -> buf -> upload -> pool          (disk)
-             backward  read u7 -> buf -> upload -> pool          (disk)
-             step      read u7 -> buf -> AdamW -> write u7       (disk)
-    after:   forward   read u7 -> buf -> upload -> cache[u7]     (disk)
-             backward  cache[u7] -> buf -> upload -> cache[u7]   (no IO, if still cached)
-             step      cache[u7] -> buf -> AdamW -> write u7     (no IO, if still cached)
+    before:  forward   read u7 -> buf -> upload -> pool                  (disk)
+             backward  read u7 -> buf -> upload -> pool                  (disk)
+             step      read u7 -> buf -> AdamW -> write u7 -> pool       (disk)
+    after:   forward   cache[u7] -> buf -> upload -> cache[u7]           (no IO, if still cached)
+             backward  cache[u7] -> buf -> upload -> cache[u7]           (no IO, if still cached)
+             step      cache[u7] -> buf -> AdamW -> write u7 -> cache[u7] (write-through, once written)
 
 A buffer is kept only if its slot was not written while it was read (``Slot.version``); a write or
-a drop of the slot discards it, so a cached value always equals the file. The oldest entries go
+a drop of the slot discards it, and a parameter slot's own write puts the written buffer back once
+the disk has it (``Slot.flush``; a failed write keeps nothing), so a cached value always equals the
+file. The oldest entries go
 back to the pool once the cache holds over ``cap_bytes`` (the option ``nvme_read_cache_bytes``): the
 last parameters of forward are the first of backward, and a unit's master is read a few operators
-after its backward fetch, so a cache of a few units catches most re-reads. A taker owns the buffer
+after its backward fetch, so a cache of a few units catches most re-reads; a model whose shards all
+fit reads no parameter from disk in steady training (it still writes every stepped master). A taker owns the buffer
 (it may step it in place); a reader that only wants a copy puts it back.
 
 Ordering on CUDA: an entry keeps the fence of the device copy still reading it; a taker waits for

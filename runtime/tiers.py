@@ -304,6 +304,7 @@ class Slot:
         self.fence = hostsync.Fence()  # device work in flight on _mem
         self.version = 0  # bumped by every write and drop: a read started earlier is stale (runtime/carry.py)
         self._reads: Dict[int, int] = {}  # read_owned(keep=True) buffers out: data_ptr -> version read
+        self._pending_version = 0  # the version the write in flight stores
 
     @property
     def accounting(self) -> accounting.Accounting:
@@ -407,6 +408,7 @@ class Slot:
 
     def _write(self, data: torch.Tensor, pooled: bool) -> None:
         self._pending_buffer = data if pooled else None
+        self._pending_version = self.version
         self._pending = self.swap.write(self.key, data)
         self._written = True
         self.ctx.writes.track(self)
@@ -471,6 +473,8 @@ class Slot:
 
         Why: forward, backward and the optimizer each read a parameter's file, and between them it
         does not change; the cache saves the re-reads (``zinf_runtime.read_cache``)."""
+        if self.tier == "nvme":
+            self.flush()  # a finished write leaves its value in the cache; a failed one raises here
         version = self.version
         buf = self.ctx.read_cache.take(self)
         handle = None
@@ -499,7 +503,10 @@ class Slot:
             try:
                 h.wait()
                 buf, self._pending_buffer = self._pending_buffer, None
-                if buf is not None:
+                # a parameter's written value stays as its clean copy for the next fetch (write-through,
+                # zinf_runtime.read_cache); anything else, or a copy the cache refuses, goes to the pool
+                if buf is not None and not (self.kind == "param"
+                                            and self.ctx.read_cache.put(self, buf, None, self._pending_version)):
                     self.pool.release(buf)
             except Exception:
                 if self._written and not self.swap.exists(self.key):  # no earlier version survives

@@ -117,8 +117,10 @@ def test_corrupt_slot_of_a_partitioned_parameter_names_it(tmp_path):
     import zinf_runtime
 
     p = torch.nn.Parameter(torch.randn(64, 300))
+    # no read cache: the partition's write would leave its value in memory (write-through) and the
+    # read below would not touch the corrupted file
     pl = zinf_runtime.Placement(tier="nvme", compute_device=torch.device("cpu"), group=None, optim_tier="device",
-                                swap=cfg(tmp_path))
+                                swap=cfg(tmp_path), read_cache_bytes=0)
     zinf_runtime.partition([("fc.weight", p)], pl, False)
     h = zinf_runtime.handle_of(p)
     (h.param_copy or h.master).flush()  # the partition's write is on disk

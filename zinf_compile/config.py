@@ -63,10 +63,11 @@ class Config:
         of RAM per element: each state on NVMe is a file and a request per step, whose fixed cost
         does not shrink with its size. 0 (the default) puts every parameter on NVMe; see the README's
         Options table for what it gained here.
-    nvme_read_cache_bytes: with parameters on NVMe, host bytes of shards kept after a fetch read
-        them (clean copies, dropped when the file is written), so backward's fetch and the optimizer's
-        master read find them instead of reading the file again (``zinf_runtime.read_cache``). 0 turns
-        it off; a shard larger than this is never kept. Default 64 MiB per rank and model.
+    nvme_read_cache_bytes: with parameters on NVMe, host bytes of shards kept as clean copies of
+        their files: after a fetch read them, and after the optimizer wrote them (write-through), so
+        the next fetch or master read finds them instead of reading the file
+        (``zinf_runtime.read_cache``). Oldest out first; 0 turns it off; a shard larger than this is
+        never kept. Default 64 MiB per rank and model.
     mixed_precision: ``None`` trains in the model's dtype; ``"bf16"``/``"fp16"`` run the model as under
         ``torch.autocast`` with that dtype, all-gathering parameters in it where every use is a cast,
         while master weights, gradient shards and optimizer state stay fp32.

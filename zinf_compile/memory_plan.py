@@ -34,10 +34,11 @@ holds), never on ``cpu``. What NVMe IO needs in host memory is the ``cpu`` tier'
     cpu     staging      read_buffer:  the host buffer a fetch reads a shard into (+ its cast), from the
                                        read's start (a stage's first reads: from the previous stage's end,
                                        which carries them, ``zinf_runtime.carry``) to the fetch
-                         read_cache:   a fetched shard's buffer kept for its next read (backward's
-                                       fetch, the optimizer's master: ``zinf_runtime.read_cache``), from
-                                       the fetch to that read, its eviction past ``nvme_read_cache_bytes``
-                                       or the end of the step
+                         read_cache:   a shard's buffer kept for its next read (``zinf_runtime.read_cache``):
+                                       the optimizer's written masters until forward's fetch, a fetched
+                                       shard until backward's fetch or the optimizer's master read, each
+                                       to that read, its eviction past ``nvme_read_cache_bytes`` or the
+                                       end of the step
                          write_buffer: the host copy of a gradient shard an asynchronous write sends, from
                                        its reduce_grad to the end of the step (the runtime also caps the
                                        bytes in flight, ZINF_NVME_WRITE_INFLIGHT, so for big models this
@@ -179,25 +180,30 @@ def _cap_write_buffers(ivs: List["Interval"]) -> List["Interval"]:
 
 
 def _cached_reads(reads: List[Tuple[Any, int, int, Any, str, Optional[str]]], cap: int, end: int) -> List["Interval"]:
-    """Host buffers the read cache keeps after their fetch (``zinf_runtime.read_cache``), as the
-    runtime keeps them: ``reads`` are ``(unit, read start, fetch, bytes, name, param)``; a fetch's
-    buffer is kept from the fetch on, oldest evicted past ``cap``, until the unit's next read takes
-    it (that read's own interval counts it from its start) or the step ends (the optimizer's master
-    read takes it: the end of the step, an upper bound)."""
+    """Host buffers the read cache holds (``zinf_runtime.read_cache``), as the runtime keeps them:
+    ``reads`` are ``(unit, read start, fetch, bytes, name, param)``. The step starts with the values
+    the previous step's optimizer wrote (write-through), counted here as the first-read units up to
+    ``cap``; each is held until its unit's first read takes it (that read's own interval counts it
+    from its start). A fetch's buffer is kept from the fetch on, oldest evicted past ``cap``, until
+    the unit's next read takes it or the step ends (the optimizer's master read takes it: the end
+    of the step, an upper bound)."""
     if not cap or not all(isinstance(r[3], int) for r in reads):
         return []
+    held: Dict[Any, Tuple[int, int, str, Optional[str]]] = {}  # unit -> (bytes, kept from, name, param), oldest first
+    for unit, _, _, nbytes, _, param in sorted(reads, key=lambda r: r[1]):
+        if unit not in held and sum(h[0] for h in held.values()) + nbytes <= cap:
+            held[unit] = (nbytes, 0, f"written:{param}", param)
     events = sorted([(r[1], 0, i) for i, r in enumerate(reads)] + [(r[2], 1, i) for i, r in enumerate(reads)])
-    held: Dict[Any, Tuple[int, int]] = {}  # unit -> (read index, kept from), oldest first
-    total = 0
+    total = sum(h[0] for h in held.values())
     out: List[Interval] = []
 
     def close(unit: Any, last: int) -> None:
         nonlocal total
-        i, since = held.pop(unit)
-        total -= reads[i][3]
+        nbytes, since, name, param = held.pop(unit)
+        total -= nbytes
         if last >= since:
-            out.append(Interval(reads[i][4], "cpu", "staging", "read_cache", reads[i][3], since, last,
-                                "evicted" if last < end else "end", (), reads[i][5]))
+            out.append(Interval(name, "cpu", "staging", "read_cache", nbytes, since, last,
+                                "evicted" if last < end else "end", (), param))
 
     for pos, put, i in events:
         unit, nbytes = reads[i][0], reads[i][3]
@@ -207,7 +213,7 @@ def _cached_reads(reads: List[Tuple[Any, int, int, Any, str, Optional[str]]], ca
             continue
         if nbytes > cap or unit in held:
             continue
-        held[unit] = (i, pos + 1)
+        held[unit] = (nbytes, pos + 1, reads[i][4], reads[i][5])
         total += nbytes
         while total > cap:
             close(next(iter(held)), pos)
