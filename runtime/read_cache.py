@@ -5,7 +5,8 @@ backward's fetch, and the optimizer reading it as its fp32 master (one file serv
 ``store.master_home``). The three reads return the same bytes; the file changes only when the
 optimizer writes the stepped master. On the 25M GPT at dp 2 those were 290 of the step's 483 MiB
 read (``benchmarks/compare.py``'s disk column), and on a GPU box the NVMe step is disk-bound. A fetch
-that is done with its host buffer therefore hands it to its slot instead of to the pool::
+that is done with its host buffer therefore hands it to its slot instead of to the pool, and so does
+the optimizer's write of a master once the disk has it (write-through)::
 
     before:  forward   read u7 -> buf -> upload -> pool                  (disk)
              backward  read u7 -> buf -> upload -> pool                  (disk)
@@ -17,15 +18,16 @@ that is done with its host buffer therefore hands it to its slot instead of to t
 A buffer is kept only if its slot was not written while it was read (``Slot.version``); a write or
 a drop of the slot discards it, and a parameter slot's own write puts the written buffer back once
 the disk has it (``Slot.flush``; a failed write keeps nothing), so a cached value always equals the
-file. The oldest entries go
-back to the pool once the cache holds over ``cap_bytes`` (the option ``nvme_read_cache_bytes``): the
-last parameters of forward are the first of backward, and a unit's master is read a few operators
-after its backward fetch, so a cache of a few units catches most re-reads; a model whose shards all
-fit reads no parameter from disk in steady training (it still writes every stepped master). A taker owns the buffer
-(it may step it in place); a reader that only wants a copy puts it back.
+file, and the file always holds the current value. The oldest entries go back to the pool once the
+cache holds over ``cap_bytes`` (the option ``nvme_read_cache_bytes``). The last parameters of
+forward are the first of backward, and a unit's master is read a few operators after its backward
+fetch, so a cache of a few units catches most re-reads; a model whose shards all fit reads no
+parameter from disk in steady training (it still writes every stepped master). A taker owns the
+buffer (it may step it in place); a reader that only wants a copy puts it back.
 
 Ordering on CUDA: an entry keeps the fence of the device copy still reading it; a taker waits for
-it before the host writes the buffer, and eviction hands it to the pool with it (``BufferPool``).
+it before the host writes the buffer, eviction hands it to the pool with it (``BufferPool``), and a
+dropped entry waits for it before letting the buffer go.
 """
 
 from __future__ import annotations
@@ -102,8 +104,8 @@ class ReadCache:
         Its buffer is let go, not given to the pool: a slot is also dropped by its parameter's
         finalizer, which can run in the middle of another model's compile, and a tensor op there
         (the pool's ``view``) would run under that compile's fake-tensor mode and fail, leaving the
-        slot's accounting behind. Device work still reading the buffer keeps it alive on its own
-        (``record_stream`` / the fence's event)."""
+        slot's accounting behind. Device work still reading the buffer (its fence) is waited for
+        first."""
         with self._lock:
             entry = self._pop(slot) if slot in self._held else None
         if entry is not None and entry[1] is not None:
