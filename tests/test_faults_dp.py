@@ -73,5 +73,8 @@ def test_mismatched_models_then_bad_input_on_rank1(tmp_path):
 def test_io_error_on_rank1_stops_rank0(tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    res = torchrun(tmp_path, ["io_error"], {"compiler": "eager", "offload_params": "nvme", "nvme_path": str(nvme)})
+    # no read cache: with it, a step reads no parameter file (the optimizer's writes stay cached) and
+    # the failing reads this scenario injects would never happen
+    res = torchrun(tmp_path, ["io_error"], {"compiler": "eager", "offload_params": "nvme", "nvme_path": str(nvme),
+                                            "nvme_read_cache_bytes": 0})
     check_failed(*res["io_error"], "Input/output error")
