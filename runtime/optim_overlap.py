@@ -132,7 +132,9 @@ class _PrivateWrites:
         self.pool = ctx.pool
         self.writes = tiers.WriteTracker(cap_bytes=1 << 62)
         self.dirty = tiers.DirtyTracker()  # unused: shadows are written at once
-        self.read_cache = ReadCache(ctx.pool, cap_bytes=0)  # unused: shadows are never fetched
+        # off: a shadow holds a speculative value until committed, and one committed becomes the unit's
+        # master with this context, so its later reads and writes are not cached
+        self.read_cache = ReadCache(ctx.pool, cap_bytes=0)
 
 
 class Entry:

@@ -404,8 +404,8 @@ class ParamHandle:
         from pinned memory, is still reading the host shard when this returns, on the current
         stream. The slot's fence records it, so the optimizer's in-place step on the master, a
         refresh of the parameter copy, or freeing the slot waits for the read first. A pooled NVMe
-        read buffer is waited for before it goes back to the pool, where the next read would
-        overwrite it. ``out`` is only used on the current stream, after the copy, by stream order.
+        read buffer goes back with that fence (``keep_read``): the read cache keeps it and a taker
+        waits for it, or the pool waits for it first, so no next read overwrites it under the copy. ``out`` is only used on the current stream, after the copy, by stream order.
         ``give_back(host, fence)``, if given, takes over returning the pooled buffer (a caller that
         must not block on the copy here, e.g. a side-stream upload, returns it at its wait).
         """
