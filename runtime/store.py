@@ -774,8 +774,8 @@ fused_copies: Dict[str, int] = {"gather_cast": 0, "scatter_accumulate": 0}
 
 
 def _read_into(slot: tiers.Slot) -> torch.Tensor:
-    """An NVMe slot's value in a pool buffer of the caller's (read, or copied from memory)."""
-    acc, handle = slot.get_async(out=slot.pool.acquire(slot.numel, slot.dtype, slot.pin))
+    """An NVMe slot's value in a pool buffer of the caller's (read, or copied from memory), waited for."""
+    acc, handle = slot.read_owned()
     if handle is not None:
         handle.wait()
     return acc

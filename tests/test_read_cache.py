@@ -106,6 +106,7 @@ def cached(tmp_path):
         _fetch(s)
         assert len(ctx.read_cache) == 1 and ctx.read_cache.bytes == 4096
         yield ctx, eng, s, v1
+        s.drop()  # its NVMe bytes leave the process-wide accounting, which later tests check
 
 
 def test_a_write_or_drop_discards_the_cached_copy(cached):

@@ -190,11 +190,12 @@ def _cached_reads(reads: List[Tuple[Any, int, int, Any, str, Optional[str]]], ca
     if not cap or not all(isinstance(r[3], int) for r in reads):
         return []
     held: Dict[Any, Tuple[int, int, str, Optional[str]]] = {}  # unit -> (bytes, kept from, name, param), oldest first
+    total = 0
     for unit, _, _, nbytes, _, param in sorted(reads, key=lambda r: r[1]):
-        if unit not in held and sum(h[0] for h in held.values()) + nbytes <= cap:
+        if unit not in held and total + nbytes <= cap:
             held[unit] = (nbytes, 0, f"written:{param}", param)
+            total += nbytes
     events = sorted([(r[1], 0, i) for i, r in enumerate(reads)] + [(r[2], 1, i) for i, r in enumerate(reads)])
-    total = sum(h[0] for h in held.values())
     out: List[Interval] = []
 
     def close(unit: Any, last: int) -> None:
