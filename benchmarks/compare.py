@@ -54,6 +54,7 @@ from typing import Any, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_compare_worker.py")
+ADAM_KINDS = ("default", "fused")  # the worker's (_compare_worker.ADAM_KINDS; not imported: it imports torch)
 
 # row -> (worker system, dp). No row name is also a family name, so --systems is never ambiguous.
 ROWS: Dict[str, tuple] = {
@@ -172,7 +173,7 @@ def run_row(row: str, size: str, cfg: Dict[str, Any], args: argparse.Namespace, 
     out = os.path.join(work, "result.json")
     wargs = [WORKER, "--system", system, "--cfg", json.dumps(cfg), "--global-batch", str(args.global_batch),
              "--warmup", str(args.warmup), "--steps", str(args.steps), "--threads", str(threads),
-             "--nvme", nvme, "--out", out]
+             "--nvme", nvme, "--adam", args.adam, "--out", out]
     if dp == 1:
         cmd = [sys.executable] + wargs
     else:
@@ -195,6 +196,7 @@ def run_row(row: str, size: str, cfg: Dict[str, Any], args: argparse.Namespace, 
         raise
     wall = time.time() - t0
     base = {"row": row, "label": LABELS[row], "size": size, "dp": dp, "threads_per_rank": threads,
+            "adam": None if system.startswith("ds") else args.adam,
             "global_batch": args.global_batch, "seq": cfg["seq"], "warmup": args.warmup, "steps": args.steps,
             "run_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0)),
             "loadavg_before": load0, "loadavg_after": loadavg(), "wall_s": round(wall, 1)}
@@ -248,6 +250,14 @@ def _disk_cell(r: Dict[str, Any]) -> str:
     return f"{r['disk_read_per_step'] / 2**20:.0f} / {r['disk_write_per_step'] / 2**20:.0f}"
 
 
+def _adam_text(adam: str) -> str:
+    """The run's torch AdamW kernel, as the table's header says it (a row merged from a run with the
+    other kernel is marked in its own cell)."""
+    kernel = ("fused=True (one fused kernel)" if adam == "fused"
+              else "torch's default kernel, the for-loop on CPU tensors")
+    return f"{kernel} in the eager, Inductor, FSDP2 and zinf rows; DeepSpeed steps with its own"
+
+
 def _ratio(a: Optional[float], b: Optional[float]) -> str:
     return f"{a / b:.2f}" if a and b else "-"
 
@@ -266,7 +276,10 @@ def goals(rows: Dict[str, Dict[str, Any]]) -> List[str]:
                "ds-nvme", 0.8)]
     for text, a, b, g in checks:
         x, y = med(a), med(b)
-        if x and y:
+        ka, kb = rows.get(a, {}).get("adam", "default"), rows.get(b, {}).get("adam", "default")
+        if x and y and ka and kb and ka != kb:  # merged runs: one row stepped another AdamW kernel
+            out.append(f"n/a  {text}: {a} ran with the {ka} AdamW kernel, {b} with the {kb} one (--adam)")
+        elif x and y:
             out.append(f"{'PASS' if x / y <= g and (g != 1.0 or x < y) else 'MISS'} {text}: {x / y:.2f}x")
         else:
             out.append(f"n/a  {text}: a row did not run")
@@ -291,7 +304,8 @@ def render(data: Dict[str, Any]) -> str:
         f"`{m['nvme_root']}`; kernel {m['kernel']}; "
         + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + ".", "",
         f"Every row: fp32, AdamW(lr={c['adamw']['lr']}, betas={tuple(c['adamw']['betas'])}, eps={c['adamw']['eps']}, "
-        f"weight_decay={c['adamw']['weight_decay']}), seed 0, the same batches; a step = forward + backward + "
+        f"weight_decay={c['adamw']['weight_decay']}; {_adam_text(c.get('adam', 'default'))}), seed 0, the same "
+        f"batches; a step = forward + backward + "
         f"optimizer step. Global batch {c['global_batch']} sequences (dp-2 rows: {c['global_batch'] // 2} per rank). "
         f"Threads: {c['threads_dp1']} per process at dp 1, {c['threads_dp2']} per rank at dp 2 (2 ranks). "
         f"Step = median of {c['steps']} timed steps after the first step and {c['warmup']} warm-up step(s); "
@@ -323,8 +337,9 @@ def render(data: Dict[str, Any]) -> str:
             if not r.get("ok"):
                 lines.append(f"| {r['label']} | {r['dp']} | not run: {r['why'].replace('|', '/')} | | | | | | | | | {when} |")
                 continue
+            label = r["label"] + (" [fused AdamW]" if r.get("adam") == "fused" else "")
             lines.append(
-                f"| {r['label']} | {r['dp']} | {_step_cell(r)} | {_ratio(r['median_step_s'], ref.get('median_step_s'))} "
+                f"| {label} | {r['dp']} | {_step_cell(r)} | {_ratio(r['median_step_s'], ref.get('median_step_s'))} "
                 f"| {r['first_step_s']:.1f} | {_ratio(r['first_step_s'], ref.get('first_step_s'))} "
                 f"| {r['rss_sum_mib']:.0f} | {r['rss_max_mib']:.0f} | {_ratio(r['rss_sum_mib'], ref.get('rss_sum_mib'))} "
                 f"| {_disk_cell(r)} | {r['losses'][-1]:.4f} | {when} |")
@@ -380,6 +395,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="run the rows this many times, round-robin; a row's "
                                                           "step is the median of its runs' medians (default 1)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for compare.json / compare.md / logs")
+    ap.add_argument("--adam", default="default", choices=ADAM_KINDS,
+                    help="the torch AdamW kernel of the eager, Inductor, FSDP2 and zinf rows: torch's default "
+                         "(the for-loop on CPU) or fused=True; DeepSpeed rows use their own (default: default)")
     ap.add_argument("--no-merge", action="store_true", help="replace compare.json instead of merging rows into it")
     ap.add_argument("--render-only", action="store_true", help="rewrite compare.md from compare.json; run nothing")
     args = ap.parse_args(argv)
@@ -412,7 +430,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 config={"global_batch": args.global_batch, "warmup": args.warmup, "steps": args.steps,
                         "repeat": args.repeat,
                         "threads_dp1": args.threads_dp1, "threads_dp2": args.threads_dp2,
-                        "adamw": {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}},
+                        "adamw": {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
+                        "adam": args.adam},
                 loadavg_start=loadavg())
     data.setdefault("rows", {})
     tmp = tempfile.mkdtemp(prefix="zinf-compare-")

@@ -19,6 +19,7 @@ Same model (GPT 25M, seed 0) and global batch as ``benchmarks/compare.py``'s sma
     NVME_DIR=/tmp torchrun --nproc-per-node 2 benchmarks/step_phases.py '{"offload_params":"cpu","offload_optimizer":"nvme"}'
 
 ``CFG`` (a JSON dict of ``GPTConfig`` fields) replaces the model, e.g. for a quick smoke run.
+``ADAM=fused`` steps with ``fused=True`` (``compare.py --adam fused``); the default is torch's own kernel.
 A system is ``fsdp2-cpu`` (``fully_shard`` on each block and the root, ``CPUOffloadPolicy``,
 ``torch.optim.AdamW``) or a JSON dict of zinf options (``zinf_compile.optim.AdamW``). STEPS (default
 12) steps run; the first 3 are not counted. Rank 0 prints. One run is one sample: compare rows only
@@ -44,7 +45,7 @@ import zinf_compile
 from zinf_compile.models import GPT, GPTConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _compare_worker import ADAMW, _status_kib, fsdp2_shard  # noqa: E402  (the rows compare.py runs)
+from _compare_worker import _status_kib, adamw_kwargs, fsdp2_shard  # noqa: E402  (the rows compare.py runs)
 from _procmem import reset_hwm  # noqa: E402
 from compare import SIZES  # noqa: E402
 
@@ -109,15 +110,16 @@ def main() -> None:
     y = torch.randint(0, cfg["vocab"], (4, cfg["seq"]), generator=g)[rank * per:(rank + 1) * per]
     torch.manual_seed(0)
     model = GPT(GPTConfig(**cfg))
+    adamw = adamw_kwargs(os.environ.get("ADAM", "default"))
     if system == "fsdp2-cpu":
         fsdp2_shard(model, offload=True)
-        run, opt = model, torch.optim.AdamW(model.parameters(), **ADAMW)
+        run, opt = model, torch.optim.AdamW(model.parameters(), **adamw)
     else:
         options = json.loads(system)
         if "nvme" in (options.get("offload_params"), options.get("offload_optimizer")):
             options.setdefault("nvme_path", tempfile.mkdtemp(prefix=f"zinf-phases-r{rank}-", dir=os.environ.get("NVME_DIR")))
         run = torch.compile(model, backend="zinf", options=options)
-        opt = zinf_compile.optim.AdamW(model.parameters(), **ADAMW)
+        opt = zinf_compile.optim.AdamW(model.parameters(), **adamw)
     steps = int(os.environ.get("STEPS", "12"))
     phases: Dict[str, List[float]] = {"fwd+bwd": [], "step": [], "zero_grad": [], "total": []}
     clock = GcClock()

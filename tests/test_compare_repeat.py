@@ -43,3 +43,19 @@ def test_a_single_run_is_unchanged_and_failures_are_kept(compare):
     none_ok = compare.combine_runs([bad, dict(bad, why="exit status 1")])
     assert not none_ok["ok"] and none_ok["why"] == "exit status 1"
     assert none_ok["failed_runs"] == ["timed out", "exit status 1"]
+
+
+def test_a_goal_never_compares_rows_stepped_with_different_adamw_kernels(compare):
+    """Rows merged from an ``--adam fused`` run and a default run: the goal says so instead of a
+    ratio that would credit (or blame) the optimizer kernel; DeepSpeed rows (``adam`` None) compare
+    with either."""
+    rows = {"zinf-cpu-dp2": dict(_run(0.7, 40.0, "a"), adam="fused", dp=2, rss_sum_mib=900),
+            "fsdp2-cpu": dict(_run(0.8, 1.0, "b"), adam="default", dp=2, rss_sum_mib=1000),
+            "ds-cpu": dict(_run(0.9, 1.0, "c"), adam=None, dp=2, rss_sum_mib=1100)}
+    out = compare.goals(rows)
+    fsdp = next(g for g in out if "FSDP2" in g)
+    assert fsdp.startswith("n/a") and "fused AdamW kernel" in fsdp and "default one" in fsdp
+    ds = next(g for g in out if "< DeepSpeed CPU" in g)
+    assert ds == "PASS zinf CPU offload (dp 2) < DeepSpeed CPU offload: 0.78x"
+    rows["fsdp2-cpu"]["adam"] = "fused"
+    assert next(g for g in compare.goals(rows) if "FSDP2" in g).startswith("PASS")
