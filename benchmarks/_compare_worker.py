@@ -8,7 +8,8 @@ hyper-parameters and the same number of threads per process.
 
 A step is forward + backward + optimizer step + zero_grad. Each rank times its own steps after a
 barrier (not timed), and the step's time is the slowest rank's: the step is done when every rank is.
-Peak RSS is each rank's ``VmHWM`` at the end (the kernel's high-water mark, not a sample).
+Peak RSS is each rank's ``VmHWM`` (the kernel's high-water mark, not a sample): over the whole run,
+and over the timed steps alone (reset after the warm-up), which leaves out the first step's compile.
 
 Rank 0 writes a JSON result; on an exception every rank writes ``<out>.rank<r>.err`` with the
 exception's first line, which ``compare.py`` shows in the table instead of dropping the row.
@@ -29,6 +30,9 @@ import traceback
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _procmem import reset_hwm  # noqa: E402
 
 # the optimizer every row uses (DeepSpeed builds its own AdamW from the same numbers)
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -223,9 +227,12 @@ def run(args: argparse.Namespace) -> None:
     times: List[float] = []
     losses: List[float] = []
     io0 = (0, 0)
+    hwm_before, steady = 0, False
     for i in range(1 + args.warmup + args.steps):
         if i == 1 + args.warmup:
             io0 = _io_bytes()
+            # the peak so far (the compile's included); then the timed steps' own peak from here
+            hwm_before, steady = _status_kib("VmHWM"), reset_hwm()
         x, y = make_batch(cfg, args.global_batch, seed=i)
         x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
         if world > 1:
@@ -236,7 +243,8 @@ def run(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - t)
         if rank == 0:  # progress for the row's log (a timed-out row shows how far it got)
             print(f"step {i}: {times[-1]:.3f} s, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
-    hwm = _status_kib("VmHWM")
+    hwm_steps = _status_kib("VmHWM")
+    hwm = max(hwm_before, hwm_steps)  # the whole run's peak, as before the reset
     io1 = _io_bytes()
     io = [(b - a) / max(1, args.steps) for a, b in zip(io0, io1)]  # per timed step, this rank
     if args.nvme:  # what this row keeps on the disk: shows whether parameters really live there
@@ -244,9 +252,9 @@ def run(args: argparse.Namespace) -> None:
                                          for f in fs if os.path.isfile(os.path.join(d, f)))
     if world > 1:
         gathered: List[Any] = [None] * world
-        dist.all_gather_object(gathered, (times, losses, hwm, setup_s, io))
+        dist.all_gather_object(gathered, (times, losses, hwm, setup_s, io, hwm_steps if steady else None))
     else:
-        gathered = [(times, losses, hwm, setup_s, io)]
+        gathered = [(times, losses, hwm, setup_s, io, hwm_steps if steady else None)]
     if rank == 0:
         steps = [max(g[0][i] for g in gathered) for i in range(len(times))]
         mean_losses = [sum(g[1][i] for g in gathered) / world for i in range(len(times))]
@@ -255,6 +263,9 @@ def run(args: argparse.Namespace) -> None:
             "setup_s": max(g[3] for g in gathered), "first_step_s": steps[0],
             "warmup_s": steps[1:1 + args.warmup], "step_s": steps[1 + args.warmup:],
             "losses": mean_losses, "rss_hwm_kib": [g[2] for g in gathered], "notes": notes,
+            # each rank's peak RSS over the timed steps alone (VmHWM reset after the warm-up; None where
+            # the kernel refused the reset): training's memory, without the first step's compile
+            "rss_hwm_steps_kib": [g[5] for g in gathered],
             # disk bytes per timed step, summed over ranks (/proc/self/io read_bytes, write_bytes)
             "disk_read_per_step": sum(g[4][0] for g in gathered),
             "disk_write_per_step": sum(g[4][1] for g in gathered),

@@ -206,8 +206,10 @@ def run_row(row: str, size: str, cfg: Dict[str, Any], args: argparse.Namespace, 
     if rc == 0 and os.path.exists(out):
         with open(out) as f:
             res = json.load(f)
+        steps_kib = res.get("rss_hwm_steps_kib") or []
         res.update(base, ok=True, median_step_s=statistics.median(res["step_s"]),
-                   rss_sum_mib=sum(res["rss_hwm_kib"]) / 1024, rss_max_mib=max(res["rss_hwm_kib"]) / 1024)
+                   rss_sum_mib=sum(res["rss_hwm_kib"]) / 1024, rss_max_mib=max(res["rss_hwm_kib"]) / 1024,
+                   rss_steps_sum_mib=sum(steps_kib) / 1024 if steps_kib and None not in steps_kib else None)
         return res
     return dict(base, ok=False, why=_why(out, dp, log, rc))
 
@@ -248,6 +250,13 @@ def _disk_cell(r: Dict[str, Any]) -> str:
     if "disk_read_per_step" not in r:
         return "-"
     return f"{r['disk_read_per_step'] / 2**20:.0f} / {r['disk_write_per_step'] / 2**20:.0f}"
+
+
+def _steps_rss(r: Dict[str, Any]) -> str:
+    """The timed steps' own peak RSS, summed over ranks ("-": a row from before this column, or a
+    kernel that refused the reset)."""
+    v = r.get("rss_steps_sum_mib")
+    return f"{v:.0f}" if v else "-"
 
 
 def _adam_text(adam: str) -> str:
@@ -312,7 +321,8 @@ def render(data: Dict[str, Any]) -> str:
         f"the first step includes compilation (cold Inductor cache per row). A row shown with \"N runs\" ran "
         f"N times round-robin with the others (--repeat): its step is the median of the runs' medians, its other "
         f"figures those of that middle run. Peak RSS = VmHWM, summed over "
-        f"ranks / largest rank. Ratios are against Inductor (dp 1, no sharding) of the same size.", "",
+        f"ranks / largest rank; the timed steps' peak resets VmHWM after the warm-up, so it leaves out the "
+        f"first step's compile. Ratios are against Inductor (dp 1, no sharding) of the same size.", "",
         f"Load average (1, 5, 15 min) at start {data['loadavg_start']}, at end {data['loadavg_end']}; "
         f"the machine is shared, so each row also records its own (JSON: loadavg_before/after).", "",
     ]
@@ -324,24 +334,25 @@ def render(data: Dict[str, Any]) -> str:
         n = next((r["params"] for r in rows.values() if r.get("ok")), _params(data["sizes"][size]))
         lines += [f"## {size}: GPT-style, {n / 1e6:.1f}M params, global batch {anyrow['global_batch']} x "
                   f"{anyrow['seq']} tokens", "",
-                  "| system | dp | step s | x Ind. | first step s | x Ind. | peak RSS MiB (sum) | max/rank | x Ind. | "
-                  "disk MiB/step read / write | last loss | run at (load 1m) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| system | dp | step s | x Ind. | first step s | x Ind. | peak RSS MiB (sum) | timed steps' peak "
+                  "RSS MiB (sum) | max/rank | x Ind. | disk MiB/step read / write | last loss | run at (load 1m) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in ROWS:
             if row not in rows:  # never dropped silently: the row is listed with why it has no numbers
                 lines.append(f"| {LABELS[row]} | {ROWS[row][1]} | not run: no result recorded (not requested, or the "
-                             f"run stopped before it) | | | | | | | | | |")
+                             f"run stopped before it) | | | | | | | | | | |")
                 continue
             r = rows[row]
             when = f"{r['run_at'][11:16]} ({r['loadavg_before'][0]:.1f})"
             if not r.get("ok"):
-                lines.append(f"| {r['label']} | {r['dp']} | not run: {r['why'].replace('|', '/')} | | | | | | | | | {when} |")
+                lines.append(f"| {r['label']} | {r['dp']} | not run: {r['why'].replace('|', '/')} | | | | | | | | | | {when} |")
                 continue
             label = r["label"] + (" [fused AdamW]" if r.get("adam") == "fused" else "")
             lines.append(
                 f"| {label} | {r['dp']} | {_step_cell(r)} | {_ratio(r['median_step_s'], ref.get('median_step_s'))} "
                 f"| {r['first_step_s']:.1f} | {_ratio(r['first_step_s'], ref.get('first_step_s'))} "
-                f"| {r['rss_sum_mib']:.0f} | {r['rss_max_mib']:.0f} | {_ratio(r['rss_sum_mib'], ref.get('rss_sum_mib'))} "
+                f"| {r['rss_sum_mib']:.0f} | {_steps_rss(r)} | {r['rss_max_mib']:.0f} "
+                f"| {_ratio(r['rss_sum_mib'], ref.get('rss_sum_mib'))} "
                 f"| {_disk_cell(r)} | {r['losses'][-1]:.4f} | {when} |")
         for row in rows:
             if row not in ROWS:  # from an older compare.py with other row names: shown, not dropped

@@ -109,15 +109,11 @@ def peak_rss() -> tuple[int, str]:
 
 
 def nvme_io(model: torch.nn.Module) -> dict[str, int]:
-    """Payload bytes the model's swap engines read and wrote, and their peak disk use (the engines'
-    own counters: every NVMe transfer of parameters, gradients and optimizer state goes through them)."""
-    out = {"bytes_read": 0, "bytes_written": 0, "peak_disk_bytes": 0}
-    for ctx in zinf_runtime.contexts_of(model):
-        for eng in ctx.engines():
-            st = eng.stats()
-            for k in out:
-                out[k] += st[k]
-    return out
+    """Payload bytes the model's swap engines read and wrote, their peak disk use, and the reads the
+    read cache served from memory instead (``zinf_compile.io_stats``)."""
+    st = zinf_compile.io_stats(model)
+    return {**{k: int(st["nvme"][k]) for k in ("bytes_read", "bytes_written", "peak_disk_bytes")},
+            "cache_hits": int(st["read_cache"]["hits"])}
 
 
 def tile_plans() -> dict[str, int]:
@@ -310,6 +306,7 @@ def report(model: torch.nn.Module, n_params: int, states: int, budget: int, loss
         ("peak RSS of this process", fmt_bytes(rss), "-"),
         ("NVMe peak disk use", fmt_bytes(io["peak_disk_bytes"]), "0 B"),
         ("NVMe bytes read", fmt_bytes(io["bytes_read"]), "0 B"),
+        ("  reads served by the read cache instead", str(io["cache_hits"]), "-"),
         ("NVMe bytes written", fmt_bytes(io["bytes_written"]), "0 B"),
     ]
     w0 = max(len(r[0]) for r in rows)
@@ -318,7 +315,7 @@ def report(model: torch.nn.Module, n_params: int, states: int, budget: int, loss
     for name, z, e in rows:
         say(f"{name:<{w0}}  {z:>12}  {e:>14}")
     say("zinf: device figures are the runtime's accounting (zinf_compile.memory_stats(model), peaks; the device "
-        "is the CPU here), NVMe figures the swap engines' counters, peak RSS from " + rss_src + " (Python, torch, "
+        "is the CPU here), NVMe figures the swap engines' counters (zinf_compile.io_stats(model)), peak RSS from " + rss_src + " (Python, torch, "
         "the compiler and activations included).")
     say("eager PyTorch: computed, not run: it keeps every model state in device memory and all parameters "
         "materialized at once; its RSS is at least the model states plus the same process baseline.")

@@ -8,11 +8,12 @@ compiler's passes insert, the sharded optimizers and the memory accounting, the 
 
 from . import ops  # noqa: F401  (registers torch.ops.zinf.*)
 from .accounting import ZinfOutOfMemoryError
-from .context import RuntimeContext, compiling, contexts_of, memory_stats, reset_peak_memory_stats
+from .context import RuntimeContext, compiling, contexts_of, io_stats, memory_stats, reset_peak_memory_stats
 from .store import PartitionedDataError, Placement, handle_of, is_partitioned, partition
 
 __all__ = [
     "memory_stats",
+    "io_stats",
     "reset_peak_memory_stats",
     "RuntimeContext",
     "ZinfOutOfMemoryError",

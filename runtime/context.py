@@ -220,6 +220,48 @@ def memory_stats(model: Any = None) -> accounting.Stats:
     return accounting.sum_stats([c.accounting.stats() for c in ctxs])
 
 
+_NVME_FIELDS = ("bytes_read", "bytes_written", "reads", "writes", "disk_bytes", "peak_disk_bytes", "busy_s")
+
+
+def io_stats(model: Any) -> Dict[str, Dict[str, float]]:
+    """``model``'s NVMe traffic since it was partitioned, and what its host-memory caches saved.
+
+    Why: ``memory_stats`` says where bytes live, not how often they moved. A user tuning
+    ``nvme_read_cache_bytes`` or ``optimizer_sub_group_bytes`` needs the disk's side: how many
+    bytes the swap engines read and wrote, and how many reads the read cache served instead::
+
+        io_stats(model) == {
+            "nvme":       {"bytes_read", "bytes_written", "reads", "writes",          # payload, requests
+                           "disk_bytes", "peak_disk_bytes", "busy_s"},               # files; seconds with IO in flight
+            "read_cache": {"hits", "kept", "bytes", "peak_bytes", "cap_bytes"},      # zinf_runtime.read_cache
+            "write_back": {"written_back", "bytes", "peak_bytes", "cap_bytes"}}      # gradients held unwritten
+
+    ``hits`` counts reads served from memory (no IO); ``kept`` the buffers handed in and kept (after
+    a fetch, or a parameter's written master); ``written_back`` the deferred gradients that had to
+    go to disk after all. Summed over the model's contexts; the engines' counters are payload bytes,
+    which ``/proc/self/io`` confirms in ``benchmarks/compare.py``'s disk column."""
+    ctxs = contexts_of(model)
+    if not ctxs:
+        raise ValueError("zinf io_stats: the model has no partitioned parameters; pass the module (or its "
+                         "parameters) that torch.compile(..., backend='zinf') trained, after its first call")
+    nvme: Dict[str, float] = dict.fromkeys(_NVME_FIELDS, 0)
+    cache: Dict[str, float] = dict.fromkeys(("hits", "kept", "bytes", "peak_bytes", "cap_bytes"), 0)
+    back: Dict[str, float] = dict.fromkeys(("written_back", "bytes", "peak_bytes", "cap_bytes"), 0)
+    for ctx in ctxs:
+        for eng in ctx.engines():
+            st = eng.stats()
+            for k in _NVME_FIELDS:
+                nvme[k] += st[k]
+        rc, d = ctx.read_cache, ctx.dirty
+        for k, v in (("hits", rc.hits), ("kept", rc.kept), ("bytes", rc.bytes), ("peak_bytes", rc.peak_bytes),
+                     ("cap_bytes", rc.cap_bytes)):
+            cache[k] += v
+        for k, v in (("written_back", d.written_back), ("bytes", d.bytes), ("peak_bytes", d.peak_bytes),
+                     ("cap_bytes", d.cap_bytes)):
+            back[k] += v
+    return {"nvme": nvme, "read_cache": cache, "write_back": back}
+
+
 def reset_peak_memory_stats(model: Any = None) -> None:
     """Set peaks to current values: every peak (process-wide and per model), or ``model``'s only."""
     if model is None:

@@ -183,3 +183,30 @@ def test_the_plan_books_kept_reads_as_the_cache_keeps_them():
                    ("c", 7): (10, 4)}
     assert _cached_reads(reads, 0, 10) == [] and _cached_reads(reads, 2, 10) == []  # off; shards over the cap
 
+
+
+def test_io_stats_reports_the_engines_bytes_and_the_cache_hits(tmp_path):
+    """``zinf_compile.io_stats(model)``: the swap engine's own counters and the read cache's, per model;
+    a model zinf never partitioned gets an error naming what to pass instead of zeros."""
+    from zinf_runtime.context import contexts_of
+
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    cm = torch.compile(model, backend="zinf", options=_opts(tmp_path))
+    opt = zinf_compile.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(2):
+        cm(*make_batch(CFG, 4, seed=step)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    (ctx,) = contexts_of(model)
+    (eng,) = ctx.engines()
+    eng.wait_all()
+    st, raw = zinf_compile.io_stats(model), eng.stats()
+    assert {k: st["nvme"][k] for k in ("bytes_read", "bytes_written", "reads", "writes")} == \
+        {k: raw[k] for k in ("bytes_read", "bytes_written", "reads", "writes")}
+    assert st["nvme"]["bytes_written"] >= 3 * sum(4 * p.numel() for p in model.parameters())  # masters + m, v
+    assert st["read_cache"]["hits"] == ctx.read_cache.hits > 0
+    assert st["read_cache"]["cap_bytes"] == 64 << 20 and 0 < st["read_cache"]["peak_bytes"] <= 64 << 20
+    assert st["write_back"]["cap_bytes"] == 64 << 20  # optimizer_sub_group_bytes (gradients held unwritten)
+    with pytest.raises(ValueError, match="no partitioned parameters"):
+        zinf_compile.io_stats(GPT(CFG))

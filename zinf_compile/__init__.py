@@ -6,7 +6,7 @@
 Parameters are sharded 1/dp per rank into the runtime's store; see README.md.
 """
 
-from zinf_runtime import PartitionedDataError, memory_stats, reset_peak_memory_stats
+from zinf_runtime import PartitionedDataError, io_stats, memory_stats, reset_peak_memory_stats
 
 from . import optim
 from .backend import zinf_backend
@@ -34,5 +34,6 @@ __all__ = [
     "compile_records",
     "memory_plan",
     "memory_stats",
+    "io_stats",
     "reset_peak_memory_stats",
 ]
