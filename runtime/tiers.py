@@ -479,8 +479,11 @@ class Slot:
         buf = self.ctx.read_cache.take(self)
         handle = None
         if buf is None:
-            # pinned (on CUDA) for a fetch, which uploads it; the optimizer steps on the host
-            buf, handle = self.get_async(out=self.pool.acquire(self.numel, self.dtype, self.pin and keep))
+            # pinned (on CUDA) for a fetch, which uploads it, and for a parameter's master, which the
+            # optimizer steps on the host: once written it stays as the cached copy the next fetch
+            # uploads (write-through), and from pageable memory that upload would block and run slower
+            pin = self.pin and (keep or self.kind == "param")
+            buf, handle = self.get_async(out=self.pool.acquire(self.numel, self.dtype, pin))
         if keep:
             self._reads[buf.data_ptr()] = version
         return buf, handle
@@ -504,8 +507,10 @@ class Slot:
                 h.wait()
                 buf, self._pending_buffer = self._pending_buffer, None
                 # a parameter's written value stays as its clean copy for the next fetch (write-through,
-                # zinf_runtime.read_cache); anything else, or a copy the cache refuses, goes to the pool
-                if buf is not None and not (self.kind == "param"
+                # zinf_runtime.read_cache); anything else, a copy the cache refuses, or a pageable one
+                # where fetches upload from pinned memory (a value set from outside the optimizer: a
+                # checkpoint load), goes to the pool
+                if buf is not None and not (self.kind == "param" and (not self.pin or buf.is_pinned())
                                             and self.ctx.read_cache.put(self, buf, None, self._pending_version)):
                     self.pool.release(buf)
             except Exception:

@@ -210,3 +210,42 @@ def test_io_stats_reports_the_engines_bytes_and_the_cache_hits(tmp_path):
     assert st["write_back"]["cap_bytes"] == 64 << 20  # optimizer_sub_group_bytes (gradients held unwritten)
     with pytest.raises(ValueError, match="no partitioned parameters"):
         zinf_compile.io_stats(GPT(CFG))
+
+
+def test_on_cuda_write_through_keeps_only_pinned_copies(tmp_path):
+    """Where fetches upload to CUDA (``Slot.pin``), a cached copy must be pinned, or the next fetch's
+    upload would block on pageable memory. So a parameter's master is read into a pinned buffer even
+    though the optimizer steps it on the host (it becomes the cached copy once written), moments are
+    not, and a pageable written value (set from outside the optimizer) goes to the pool instead.
+
+    This machine cannot pin memory, so the pool records what each read asks for and hands out
+    pageable buffers; ``Slot.pin`` is what a CUDA compute device sets (``store``)."""
+    from zinf_runtime import tiers
+    from zinf_runtime.context import RuntimeContext
+    from zinf_runtime.swap import SwapEngine
+
+    class Recording(tiers.BufferPool):
+        def __init__(self) -> None:
+            super().__init__()
+            self.asked: list = []
+
+        def acquire(self, numel, dtype, pin=False):
+            self.asked.append(pin)
+            return super().acquire(numel, dtype, False)
+
+    ctx = RuntimeContext(name="pinned write-through test", pool=Recording())
+    with SwapEngine(small_cfg(tmp_path)) as eng:
+        slots = {kind: tiers.Slot("nvme", kind, 1024, torch.float32, torch.device("cpu"), swap=eng, key=kind,
+                                  pin=True, ctx=ctx) for kind in ("param", "optim")}
+        for s in slots.values():
+            s.set(torch.randn(1024))
+            s.flush()
+        assert len(ctx.read_cache) == 0  # the written values were pageable: not kept
+        for kind, want in (("param", True), ("optim", False)):
+            ctx.pool.asked.clear()
+            buf, h = slots[kind].read_owned()  # the optimizer's read: not a fetch
+            h.wait()
+            assert ctx.pool.asked == [want], kind
+            ctx.pool.release(buf)
+        for s in slots.values():
+            s.drop()
