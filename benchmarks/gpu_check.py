@@ -25,6 +25,7 @@ Checks, in order (``--only name,name`` picks some):
   (``compiler="eager"``) against eager PyTorch on the same device, SGD with momentum, 3 steps, for
   offload none/none, cpu/cpu and nvme/nvme: gradients after step 1 (rtol 1e-5: the same kernels in
   the same order, only the device/host placement of the shards differs) and parameters after step 3.
+  With parameters on NVMe, every copy the read cache holds at the end must be pinned (on CUDA).
 * ``accumulation_4``: cpu offload with the fused copies, gradient accumulation over 4 micro-batches
   (the 2nd-4th go through ``scatter_accumulate`` into pinned memory), against eager.
 * ``bf16``: ``mixed_precision="bf16"`` against eager under ``torch.autocast(bfloat16)``: the same
@@ -264,6 +265,16 @@ def _parity(params: str, optim: str) -> Callable[[torch.device, bool, str], dict
         res = _train_pair(dev, small, opts)
         v = _verdict_pair(res, rtol=1e-5, atol=1e-6, grad_rtol=1e-5)
         left = [d for d in os.listdir(tmp) if d.startswith("zinf-")]
+        if params == "nvme":
+            # every cached parameter copy is pinned where fetches upload to CUDA (a pageable one makes
+            # the next fetch's upload block); the optimizer's written masters are among them
+            from zinf_runtime.context import contexts_of
+
+            held = [b for ctx in contexts_of(res["model"]) for b in ctx.read_cache.buffers()]
+            v["read_cache_entries"] = len(held)
+            v["read_cache_pageable"] = sum(not b.is_pinned() for b in held)
+            if dev.type == "cuda" and (not held or v["read_cache_pageable"]):
+                v["status"] = "fail"
         del res
         return v | {"swap_dirs_while_alive": len(left)}
     return check

@@ -85,6 +85,11 @@ class ReadCache:
             self.pool.release(old_buf, old_fence)
         return True
 
+    def buffers(self) -> list:
+        """The held buffers, oldest first (a snapshot; for checks such as "all pinned on CUDA")."""
+        with self._lock:
+            return [buf for buf, _, _ in self._held.values()]
+
     def take(self, slot: "Slot") -> Optional[torch.Tensor]:
         """``slot``'s cached value, removed from the cache: the caller owns it (may write it) and
         hands it back with ``Slot.keep_read`` or to the pool. Device work still reading it is waited
