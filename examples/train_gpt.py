@@ -315,8 +315,8 @@ def report(model: torch.nn.Module, n_params: int, states: int, budget: int, loss
     for name, z, e in rows:
         say(f"{name:<{w0}}  {z:>12}  {e:>14}")
     say("zinf: device figures are the runtime's accounting (zinf_compile.memory_stats(model), peaks; the device "
-        "is the CPU here), NVMe figures the swap engines' counters (zinf_compile.io_stats(model)), peak RSS from " + rss_src + " (Python, torch, "
-        "the compiler and activations included).")
+        "is the CPU here), NVMe figures the swap engines' counters (zinf_compile.io_stats(model)), peak RSS "
+        "from " + rss_src + " (Python, torch, the compiler and activations included).")
     say("eager PyTorch: computed, not run: it keeps every model state in device memory and all parameters "
         "materialized at once; its RSS is at least the model states plus the same process baseline.")
 
