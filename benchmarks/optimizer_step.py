@@ -11,6 +11,10 @@ gradients stay in place between steps, so every step does the same work). Load a
 the figures are a ratio measured in one run, not clean absolute times on a shared machine.
 
     python benchmarks/optimizer_step.py --hidden 512 --layers 8 --steps 5 --repeat 3
+    python benchmarks/optimizer_step.py --hidden 384 --layers 12 --profile "zinf fused"
+
+``--profile ROW`` runs that row's steps under cProfile instead and prints where its time goes, by
+function (cumulative), e.g. what zinf does around the class's own step.
 """
 
 from __future__ import annotations
@@ -51,8 +55,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--profile", default=None, help="profile this row's steps (e.g. 'zinf fused') instead")
     args = ap.parse_args()
     rows, n = build(args)
+    if args.profile is not None:
+        return profile(rows, args)
     times = {k: [] for k in rows}
     load0 = os.getloadavg()[0]
     for _ in range(args.repeat):
@@ -69,6 +76,24 @@ def main() -> None:
     for k, v in med.items():
         print(f"| {k} | {v * 1e3:.1f} | {v / med['eager default']:.2f} |")
     print(f"zinf fused / zinf default: {med['zinf fused'] / med['zinf default']:.2f}")
+
+
+def profile(rows: dict, args: argparse.Namespace) -> None:
+    """cProfile of ``args.steps`` steps of one row, by cumulative time: where the step goes."""
+    import cProfile
+    import pstats
+
+    if args.profile not in rows:
+        raise SystemExit(f"--profile {args.profile!r}: rows are {', '.join(rows)}")
+    opt = rows[args.profile]
+    opt.step()  # warm
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.steps):
+        opt.step()
+    prof.disable()
+    print(f"{args.profile}: {args.steps} steps under cProfile (its overhead included), by cumulative time")
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
 
 
 if __name__ == "__main__":
