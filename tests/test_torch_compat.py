@@ -208,3 +208,22 @@ def test_a_model_built_partitioned_compiles_on_torch_2_11(monkeypatch):
     torch.testing.assert_close(loss, ref(x, y), rtol=1e-6, atol=1e-6)
     with torch.no_grad(), __import__("pytest").raises(zinf_compile.PartitionedDataError):
         next(model.parameters()).sum()  # eager reads are still refused outside a compilation
+
+
+def test_structured_trace_enabled_only_with_a_trace_folder(tmp_path):
+    from torch._logging._internal import LazyTraceHandler, trace_log
+
+    saved = list(trace_log.handlers)
+    try:
+        for h in saved:
+            trace_log.removeHandler(h)
+        assert not tc.structured_trace_enabled()
+        trace_log.addHandler(LazyTraceHandler(None))  # torch's default without TORCH_TRACE: drops itself
+        assert not tc.structured_trace_enabled()
+        trace_log.addHandler(LazyTraceHandler(str(tmp_path)))  # TORCH_TRACE=dir
+        assert tc.structured_trace_enabled()
+    finally:
+        for h in list(trace_log.handlers):
+            trace_log.removeHandler(h)
+        for h in saved:
+            trace_log.addHandler(h)

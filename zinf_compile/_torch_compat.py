@@ -212,3 +212,22 @@ def in_compile_session() -> bool:
     from torch._guards import CompileContext
 
     return CompileContext.try_get() is not None
+
+
+def structured_trace_enabled() -> bool:
+    """Whether ``TORCH_TRACE`` (or ``TORCH_COMPILE_DEBUG``) structured logging writes a file, so a
+    ``trace_structured`` payload is read by someone.
+
+    torch has no public query. Its trace logger (``torch._logging._internal.trace_log``, private) always
+    holds a ``LazyTraceHandler``; without a trace folder that handler drops the first record and removes
+    itself, and other handlers on the logger (pytest's log capture lands there) never see a payload,
+    which travels in the record's ``extra``. So: on when a ``LazyTraceHandler`` has a folder or an open
+    file. If torch moves these, say True (the payload is then made and maybe dropped: slower, never
+    lost).
+    """
+    try:
+        from torch._logging._internal import LazyTraceHandler, trace_log
+    except ImportError:  # pragma: no cover - torch moved it
+        return True
+    return any(isinstance(h, LazyTraceHandler) and (h.root_dir is not None or h.stream is not None)
+               for h in trace_log.handlers)

@@ -73,6 +73,10 @@ class Config:
         while master weights, gradient shards and optimizer state stay fp32.
     dump_dir: if set (or env ``ZINF_DUMP_DIR``), every graph after every pass is written there as
         readable code, one folder per compiled graph.
+    pass_code: keep the generated code of the graph after every pass in ``last_graphs()``, not only
+        of each stage's last graph (op counts and zinf tags are kept for every pass either way). On
+        whenever ``dump_dir`` or ``TORCH_TRACE`` is set; off by default because FX's code generation
+        per pass cost about 1 s of a 25M model's first step (``zinf_compile.pipeline``).
     process_group: the data-parallel group that shards parameters; default: the default group when
         ``torch.distributed`` is initialized, else dp = 1.
     compiler: ``"inductor"`` compiles the compute between zinf nodes with Inductor (zinf ops stay
@@ -151,6 +155,7 @@ class Config:
     nvme_read_cache_bytes: int = 64 << 20
     mixed_precision: Optional[str] = None
     dump_dir: Optional[str] = field(default_factory=lambda: os.environ.get("ZINF_DUMP_DIR") or None)
+    pass_code: bool = False
     process_group: Optional[Any] = None
     compiler: str = "inductor"
     sync_module_states: bool = True
@@ -230,7 +235,7 @@ class Config:
             raise ValueError(f"zinf option 'bucket_bytes': {self.bucket_bytes!r} is over max_inflight_bytes "
                              f"({self.max_inflight_bytes!r}); a bucket's members are all in flight at once, so "
                              "make it at most the cap")
-        for key in ("optimizer_prefetch", "overlap_optimizer_step"):
+        for key in ("optimizer_prefetch", "overlap_optimizer_step", "pass_code"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"zinf option {key!r}: expected True or False, got {getattr(self, key)!r}")
         if self.trace is not None and not isinstance(self.trace, (str, os.PathLike)):
