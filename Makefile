@@ -10,10 +10,11 @@ BIN := $(VENV)/bin
 setup: $(VENV)/.zinf-setup
 
 # torch is pinned: an unpinned torch pulls a multi-GB CUDA build; 2.13.0 resolves to the CPU build here.
-# transformers/accelerate: the Hugging Face Trainer test. google-crc32c: the swap engine's hardware checksum.
+# transformers/accelerate: the Hugging Face Trainer test; lightning: the Lightning Trainer test.
+# google-crc32c: the swap engine's hardware checksum.
 $(VENV)/.zinf-setup: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q torch==2.13.0 triton==3.9.0 numpy pytest matplotlib transformers==5.24.0 accelerate==1.15.0 tqdm safetensors==0.8.0 google-crc32c==1.9.0
+	$(BIN)/pip install -q torch==2.13.0 triton==3.9.0 numpy pytest matplotlib transformers==5.24.0 accelerate==1.15.0 lightning==2.6.6 tqdm safetensors==0.8.0 google-crc32c==1.9.0
 	$(BIN)/pip install -q --no-deps -e .
 	touch $@
 
@@ -68,7 +69,7 @@ test-parity-default: setup
 VENV211 := .venv-torch211
 $(VENV211)/.zinf-setup: pyproject.toml Makefile
 	$(PY) -m venv $(VENV211)
-	$(VENV211)/bin/pip install -q torch==2.11.0 triton==3.6.0 numpy pytest matplotlib transformers==5.24.0 accelerate==1.15.0 tqdm safetensors==0.8.0 google-crc32c==1.9.0
+	$(VENV211)/bin/pip install -q torch==2.11.0 triton==3.6.0 numpy pytest matplotlib transformers==5.24.0 accelerate==1.15.0 lightning==2.6.6 tqdm safetensors==0.8.0 google-crc32c==1.9.0
 	$(VENV211)/bin/pip install -q --no-deps -e .
 	touch $@
 

@@ -27,6 +27,8 @@ from typing import Any, Callable, Dict, Iterator
 
 import torch
 
+from .modes import normal_tensors
+
 __all__ = ["PartitionedDataError", "DATA_FREE", "NOT_SERVED", "eager_call", "set_compile_session_probe"]
 
 
@@ -90,7 +92,8 @@ def eager_call(cls: type, func: Any, args: tuple, kwargs: dict, caller: Any) -> 
     p = empty[0]
     serve = _SERVED.get(func)
     if serve is not None and len(empty) == 1 and args and args[0] is p:
-        out = serve(p, args[1:], kwargs, caller)
+        with normal_tensors():  # runtime/modes.py: e.g. state_dict() under torch.inference_mode()
+            out = serve(p, args[1:], kwargs, caller)
         if out is not NOT_SERVED:
             return out
     raise PartitionedDataError(_message(p, func))

@@ -52,6 +52,7 @@ from typing import Sequence
 import torch
 
 from . import bucket, carry, store, transfer
+from .modes import outside_inference_mode
 
 _lib = torch.library.Library("zinf", "DEF")
 _lib.define("fetch_shard(Tensor param, int uid, int shard_numel, ScalarType dtype) -> Tensor")
@@ -135,7 +136,7 @@ for _name, _fn in (
     ("grad_of", _grad_of),
     ("copy_out", _copy_out),
 ):
-    _lib.impl(_name, _fn, "CompositeExplicitAutograd")
+    _lib.impl(_name, outside_inference_mode(_fn), "CompositeExplicitAutograd")  # runtime/modes.py
 
 torch.library.register_autograd("zinf::copy_out", _copy_out_backward)
 

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from . import accounting, comm, optim_overlap, store, transfer
+from .modes import outside_inference_mode
 from .packed_state import split_state
 from .tiers import Slot
 
@@ -72,6 +73,7 @@ class ShardedOptimizerMixin:
                 return h.placement.group
         return None
 
+    @outside_inference_mode  # runtime/modes.py: its buffers outlive the call
     def step(self, closure: Optional[Callable[[], float]] = None):  # type: ignore[override]
         """torch's step of the class under the mixin, run on the shards (hooks: see ``_hooked_once``)."""
         stale = self.__dict__.pop("_zinf_plan", None)  # a step through the plain class that raised
@@ -323,6 +325,7 @@ class ShardedOptimizerMixin:
             )
         return list(tiles)
 
+    @outside_inference_mode  # runtime/modes.py: its buffers outlive the call
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         """torch's ``zero_grad`` (``param.grad`` of a partitioned parameter is its ``ShardedGrad``:
         set to None or zeroed in place on its tier); with ``set_to_none`` the shards' memory goes too."""
@@ -332,6 +335,7 @@ class ShardedOptimizerMixin:
                 for _, h in store.iter_handles(group["params"]):
                     h.zero_grad(True)
 
+    @outside_inference_mode  # runtime/modes.py: its buffers outlive the call
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over this optimizer's parameters (kept for old callers:
         ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` itself works on zinf gradients)."""
@@ -350,6 +354,7 @@ class ShardedOptimizerMixin:
             start += len(group["params"])
         return out
 
+    @outside_inference_mode  # runtime/modes.py: its buffers outlive the call
     def state_dict(self) -> Dict:  # type: ignore[override]
         """torch's state dict; NVMe-resident moments are read into it (this rank's shards)."""
         sd = super().state_dict()  # type: ignore[misc]
@@ -366,6 +371,7 @@ class ShardedOptimizerMixin:
                 sd["state"][idx] = states[0] if len(states) == 1 else {"tiles": states}
         return sd
 
+    @outside_inference_mode  # runtime/modes.py: its buffers outlive the call
     def load_state_dict(self, state_dict: Dict) -> None:  # type: ignore[override]
         """torch's ``load_state_dict``; a partitioned parameter's state goes back onto its optimizer tier
         (fp32 moments on the master's device, or into its NVMe slots), not onto the compute device."""

@@ -27,6 +27,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import store, transfer
+from .modes import outside_inference_mode
 from .optim import SGD, Adam, AdamW, ShardedOptimizerMixin, _average_replicated
 
 _TWINS: Dict[type, type] = {torch.optim.AdamW: AdamW, torch.optim.Adam: Adam, torch.optim.SGD: SGD}
@@ -139,6 +140,33 @@ def convert(optimizer: torch.optim.Optimizer) -> None:
             optimizer._adopt_state(p, h, optimizer.state.pop(p))  # type: ignore[attr-defined]
 
 
+# torch's own elementwise classes, whose ``step(closure)`` calls the closure once, first, under
+# ``enable_grad``, and returns its value: calling it before their step and handing them a closure that
+# returns the same value changes nothing they do
+_CLOSURE_FIRST = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                            torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
+                            torch.optim.ASGD, torch.optim.Adadelta, torch.optim.Rprop})
+
+
+def _closure_of(args: tuple, kwargs: dict) -> Optional[Any]:
+    return args[1] if len(args) > 1 else kwargs.get("closure")
+
+
+def _run_closure(args: tuple, kwargs: dict) -> tuple:
+    """Call the step's closure now; the step gets one that returns its value (``step`` returns it, as
+    eager's does) instead of running the forward and backward again."""
+    with torch.enable_grad():
+        loss = _closure_of(args, kwargs)()
+
+    def done() -> Any:
+        return loss
+
+    if len(args) > 1:
+        return (args[0], done) + tuple(args[2:]), kwargs
+    return args, {**kwargs, "closure": done}
+
+
+@outside_inference_mode
 def pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Optional[tuple]:
     """Global step pre-hook, for optimizers holding partitioned parameters only.
 
@@ -146,6 +174,11 @@ def pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Opt
     own ``step`` swaps the shards in itself; one that comes through the *plain* class's ``step`` (an LR
     scheduler made before the first step holds a reference to it, so do subclasses calling
     ``super().step()``) is swapped here, closure first, and swapped back in ``post_step``.
+
+    With a closure on an optimizer none of whose parameters is partitioned yet, the closure may be
+    what partitions them: Lightning's automatic optimization runs the first forward (and compile)
+    inside ``optimizer.step(closure)``. For torch's own classes, which call the closure first anyway,
+    it is called here and the parameters looked at again.
     """
     if _WITHOUT.get(optimizer) == store.epoch:
         return None
@@ -156,24 +189,25 @@ def pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Opt
         return None
     params = [p for g in optimizer.param_groups for p in g["params"]]
     first = next((h for _, h in store.iter_handles(params)), None)
+    result = None
+    if first is None and _closure_of(args, kwargs) is not None and type(optimizer) in _CLOSURE_FIRST:
+        result = args, kwargs = _run_closure(args, kwargs)
+        first = next((h for _, h in store.iter_handles(params)), None)
     if first is None:  # not ours: remembered until more parameters are partitioned anywhere
         _WITHOUT[optimizer] = store.epoch
-        return None
+        return result
     if not isinstance(optimizer, ShardedOptimizerMixin):
         check_elementwise(optimizer, first.placement.storage_device())
         convert(optimizer)
-    result = None
-    closure = args[1] if len(args) > 1 else kwargs.get("closure")
-    if closure is not None:  # before the swap: its backward must see the real parameters
-        with torch.enable_grad():
-            closure()
-        result = (args[:1], {k: v for k, v in kwargs.items() if k != "closure"})
+    if result is None and _closure_of(args, kwargs) is not None:  # before the swap: its backward
+        result = _run_closure(args, kwargs)                          # must see the real parameters
     optimizer._zinf_t0 = time.perf_counter()  # type: ignore[attr-defined]
     optimizer._zinf_plan = optimizer._swap_in()  # type: ignore[attr-defined]
     optimizer._zinf_plan_depth = 0  # type: ignore[attr-defined]
     return result
 
 
+@outside_inference_mode
 def post_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     if optimizer.__dict__.get("_zinf_in_twin_step") or "_zinf_plan" not in optimizer.__dict__:
         return

@@ -1081,7 +1081,7 @@ def partition(
     if new:
         global epoch
         epoch += 1
-        _install_optimizer_guard()
+        install_optimizer_guard()
     return [getattr(p, UID_ATTR) for _, p in items]
 
 
@@ -1105,9 +1105,13 @@ def sync_buffers(buffers: Iterable[torch.Tensor], group: Optional[object]) -> No
 _hooks_installed = False
 
 
-def _install_optimizer_guard() -> None:
+def install_optimizer_guard() -> None:
     """Register the global optimizer step hooks once: they act only on optimizers that hold partitioned
-    parameters (converting them to step the shards); any other optimizer is left as it is."""
+    parameters (converting them to step the shards); any other optimizer is left as it is.
+
+    ``zinf_compile`` registers them on import, before any model is partitioned: torch reads the hook
+    list when a step begins, and Lightning's first ``optimizer.step(closure)`` runs the first forward,
+    which partitions, inside that step. Partitioning registers them too, for runtime-only users."""
     global _hooks_installed
     if not _hooks_installed:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook

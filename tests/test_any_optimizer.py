@@ -237,6 +237,83 @@ def test_other_optimizers_are_left_alone():
     torch.testing.assert_close(w.detach(), torch.full((3,), 0.9))
 
 
+@pytest.mark.parametrize("name", ["SGD", "AdamW"])
+def test_first_step_whose_closure_partitions_returns_the_loss(name):
+    """Lightning's automatic optimization: the optimizer is built before the first forward, and that
+    forward (the compile, which partitions) runs inside ``optimizer.step(closure)``. Each step must
+    update the shards and return the closure's loss, as eager's does."""
+    make = lambda m: getattr(torch.optim, name)(m.parameters(), lr=0.1, **OPTIMIZERS[name])  # noqa: E731
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    model = copy.deepcopy(ref)
+    ropt, zopt = make(ref), make(model)  # before anything is partitioned
+    cmodel = torch.compile(model, backend="zinf", options={"compiler": "eager"})
+    calls = []
+    for step in range(3):
+        b = make_batch(CFG, 4, seed=step)
+
+        def closure(run=cmodel, opt=zopt):
+            calls.append(step)
+            opt.zero_grad()
+            loss = run(*b)
+            loss.backward()
+            return loss
+
+        def ref_closure():
+            ropt.zero_grad()
+            loss = ref(*b)
+            loss.backward()
+            return loss
+
+        got, want = zopt.step(closure), ropt.step(ref_closure)
+        assert got is not None and torch.equal(got, want), step
+    assert calls == [0, 1, 2]  # once a step, as torch's classes call it
+    assert isinstance(zopt, ShardedOptimizerMixin)
+    full = zinf_compile.full_state_dict(model)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, **TOL)
+
+
+def test_first_closure_step_in_a_fresh_process():
+    """torch reads its step hooks when a step begins: in a fresh process, before any model is
+    partitioned, zinf's must already be there (``import zinf_compile`` registers them)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, zinf_compile\n"
+        "from zinf_compile.models import GPT, GPTConfig, make_batch\n"
+        "cfg = GPTConfig(vocab=64, seq=16, layers=1, hidden=32, heads=4)\n"
+        "model = GPT(cfg); opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "cmodel = torch.compile(model, backend='zinf', options={'compiler': 'eager'})\n"
+        "b = make_batch(cfg, 2, seed=0)\n"
+        "def closure():\n"
+        "    opt.zero_grad(); loss = cmodel(*b); loss.backward(); return loss\n"
+        "print(float(opt.step(closure)), float(opt.step(closure)))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, second = map(float, out.stdout.split())
+    assert second < first  # the first step moved the shards
+
+
+def test_closure_of_an_optimizer_over_plain_tensors_runs_once_and_returns_its_loss():
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    calls = []
+
+    def closure():
+        calls.append(1)
+        opt.zero_grad()
+        loss = (w * w).sum()
+        loss.backward()
+        return loss
+
+    losses = [opt.step(closure).item() for _ in range(2)]  # each step: w -= 0.1 * 2w
+    assert losses == pytest.approx([3.0, 3 * 0.8 ** 2])
+    assert len(calls) == 2 and type(opt) is torch.optim.SGD
+    torch.testing.assert_close(w.detach(), torch.full((3,), 0.64))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_every_optimizer_at_dp2(tier, tmp_path):

@@ -71,6 +71,12 @@ def assert_matches_eager(res):
     torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(losses), rtol=RTOL, atol=ATOL)
     for k, v in state.items():
         torch.testing.assert_close(res["state"][k], v, rtol=RTOL, atol=ATOL, msg=lambda m: f"{k}: {m}")
+    # the worker's evaluation under torch.inference_mode, after the training steps
+    model = GPT(GPTConfig(**CFG))
+    model.load_state_dict(state)
+    with torch.no_grad():
+        want = model(*make_batch(GPTConfig(**CFG), 8, seed=1000)).item()
+    torch.testing.assert_close(torch.tensor(res["eval_loss"]), torch.tensor(want), rtol=RTOL, atol=ATOL)
 
 
 def test_gpt_dp2_matches_single_process_eager(tmp_path):

@@ -7,6 +7,7 @@ Parameters are sharded 1/dp per rank into the runtime's store; see README.md.
 """
 
 from zinf_runtime import PartitionedDataError, io_stats, memory_stats, reset_peak_memory_stats
+from zinf_runtime.store import install_optimizer_guard
 
 from . import optim
 from .backend import zinf_backend
@@ -16,6 +17,8 @@ from .init import init
 from .memory_plan import memory_plan
 from .pipeline import compile_records, last_graphs
 from .state import full_state_dict, gathered
+
+install_optimizer_guard()  # before a first step that partitions inside its closure (zinf_runtime.store)
 
 __all__ = [
     "Config",

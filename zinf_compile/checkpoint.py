@@ -35,6 +35,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from zinf_runtime.modes import outside_inference_mode
+
 from ._ckpt_load import load_into
 from ._ckpt_reader import FastReader
 from ._ckpt_state import build_save_state, unwrap
@@ -146,6 +148,7 @@ def _progress(total: int, what: str) -> Optional[Callable[[int], None]]:
     return bar.update
 
 
+@outside_inference_mode  # zinf_runtime.modes: a save from a validation-end callback
 def save(path: "str | os.PathLike", model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
          *, extra: Optional[Dict[str, Any]] = None) -> str:
     """Write ``model``'s (and ``optimizer``'s) state to the directory ``path``, atomically; collective.
@@ -207,6 +210,7 @@ def save(path: "str | os.PathLike", model: torch.nn.Module, optimizer: Optional[
     return path
 
 
+@outside_inference_mode  # zinf_runtime.modes: a save from a validation-end callback
 def load(path: "str | os.PathLike", model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
          *, options: Any = None) -> Dict[str, Any]:
     """Load a checkpoint written by ``save`` into ``model`` (and ``optimizer``); collective. Returns ``extra``.
@@ -243,6 +247,7 @@ def load(path: "str | os.PathLike", model: torch.nn.Module, optimizer: Optional[
     return load_into(model, optimizer, options, metadata, run, found, FORMAT_VERSION, _progress)
 
 
+@outside_inference_mode  # zinf_runtime.modes: a save from a validation-end callback
 def export(path: "str | os.PathLike", model: torch.nn.Module, format: str = "safetensors") -> str:
     """Write the full ``state_dict`` (``model.state_dict()`` keys, full CPU tensors) for use without zinf.
 

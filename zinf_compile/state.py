@@ -17,6 +17,7 @@ import torch
 
 import zinf_runtime
 from zinf_runtime import comm
+from zinf_runtime.modes import normal_tensors
 from zinf_runtime.store import ParamHandle
 
 
@@ -42,7 +43,8 @@ def full_state_dict(model: torch.nn.Module, rank0_only: bool = False) -> Dict[st
         h = zinf_runtime.handle_of(t)
         if h is not None:
             me = h.rank
-            value = h.full_data(t.dtype).cpu()
+            with normal_tensors():  # zinf_runtime.modes: the runtime's buffers stay normal tensors
+                value = h.full_data(t.dtype).cpu()
         else:
             value = t.detach().cpu().clone()
         out[key] = value
@@ -60,20 +62,27 @@ def gathered(model: torch.nn.Module, modifier_rank: Optional[int] = None) -> Ite
     must then be the same everywhere.
     """
     items = _partitioned(model)
-    for p, h in items:
-        full = h.full_data(p.dtype)
-        p.untyped_storage().resize_(full.numel() * full.element_size())
-        with torch.no_grad():
-            p.copy_(full.view(p.shape))
+    with normal_tensors():  # zinf_runtime.modes; the caller's block keeps its own mode
+        for p, h in items:
+            full = h.full_data(p.dtype)
+            p.untyped_storage().resize_(full.numel() * full.element_size())
+            with torch.no_grad():
+                p.copy_(full.view(p.shape))
     try:
         yield model
     finally:
-        for p, h in items:
-            data = p.detach()
-            if modifier_rank is not None and h.world > 1:
-                data = data.clone()
-                torch.distributed.broadcast(
-                    data, src=torch.distributed.get_global_rank(h.placement.group, modifier_rank)
-                    if h.placement.group is not None else modifier_rank, group=h.placement.group)
-            h.load_full(data)
-            p.untyped_storage().resize_(0)
+        with normal_tensors():
+            _write_back(items, modifier_rank)
+
+
+def _write_back(items: List[tuple[torch.nn.Parameter, ParamHandle]], modifier_rank: Optional[int]) -> None:
+    """``gathered``'s exit: each parameter's (possibly changed) values back into its shards."""
+    for p, h in items:
+        data = p.detach()
+        if modifier_rank is not None and h.world > 1:
+            data = data.clone()
+            torch.distributed.broadcast(
+                data, src=torch.distributed.get_global_rank(h.placement.group, modifier_rank)
+                if h.placement.group is not None else modifier_rank, group=h.placement.group)
+        h.load_full(data)
+        p.untyped_storage().resize_(0)

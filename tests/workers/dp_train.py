@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import zinf_compile
 import zinf_runtime
-from zinf_compile.models import GPT, GPTConfig
+from zinf_compile.models import GPT, GPTConfig, make_batch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -60,6 +60,11 @@ def main(out_path: str, options_json: str, steps: int, global_batch: int, cfg_js
                     counts[f"{stage}:{k}"] = counts.get(f"{stage}:{k}", 0) + v
     transfers = dict(zinf_runtime.handle_of(next(model.parameters())).context.transfers.counters)
     full = zinf_compile.full_state_dict(model, rank0_only=True)
+    # an evaluation as Lightning's validation loop runs it: the whole global batch on every rank (the
+    # same collectives everywhere), under torch.inference_mode (zinf_runtime.modes)
+    ex, ey = make_batch(cfg, global_batch, seed=1000)
+    with torch.inference_mode():
+        eval_loss = cmodel(ex, ey).item()
     # one more step, after the results above: the buckets' flat buffers come from the model's pool,
     # so a step like the earlier ones allocates none (runtime/tiers.py, flat_buffer)
     pool = zinf_runtime.handle_of(next(model.parameters())).context.pool
@@ -69,7 +74,7 @@ def main(out_path: str, options_json: str, steps: int, global_batch: int, cfg_js
     if rank == 0:
         torch.save({"losses": losses, "grads": grads, "state": full, "shard_bytes": [int(s) for s in all_shards],
                     "total_param_bytes": total_param_bytes, "counts": counts, "transfers": transfers,
-                    "pool_allocations": pool_allocations}, out_path)
+                    "pool_allocations": pool_allocations, "eval_loss": eval_loss}, out_path)
     dist.barrier()
     dist.destroy_process_group()
 
