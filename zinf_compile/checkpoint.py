@@ -210,7 +210,7 @@ def save(path: "str | os.PathLike", model: torch.nn.Module, optimizer: Optional[
     return path
 
 
-@outside_inference_mode  # zinf_runtime.modes: a save from a validation-end callback
+@outside_inference_mode  # zinf_runtime.modes: e.g. a resume from a Lightning callback
 def load(path: "str | os.PathLike", model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
          *, options: Any = None) -> Dict[str, Any]:
     """Load a checkpoint written by ``save`` into ``model`` (and ``optimizer``); collective. Returns ``extra``.
@@ -247,7 +247,7 @@ def load(path: "str | os.PathLike", model: torch.nn.Module, optimizer: Optional[
     return load_into(model, optimizer, options, metadata, run, found, FORMAT_VERSION, _progress)
 
 
-@outside_inference_mode  # zinf_runtime.modes: a save from a validation-end callback
+@outside_inference_mode  # zinf_runtime.modes: its reads fill the runtime's buffers
 def export(path: "str | os.PathLike", model: torch.nn.Module, format: str = "safetensors") -> str:
     """Write the full ``state_dict`` (``model.state_dict()`` keys, full CPU tensors) for use without zinf.
 

@@ -76,7 +76,7 @@ class Config:
     pass_code: keep the generated code of the graph after every pass in ``last_graphs()``, not only
         of each stage's last graph (op counts and zinf tags are kept for every pass either way). On
         whenever ``dump_dir`` or ``TORCH_TRACE`` is set; off by default because FX's code generation
-        per pass cost about 1 s of a 25M model's first step (``zinf_compile.pipeline``).
+        per pass cost 0.7-3 s of a 25M model's first step (``zinf_compile.pipeline``).
     process_group: the data-parallel group that shards parameters; default: the default group when
         ``torch.distributed`` is initialized, else dp = 1.
     compiler: ``"inductor"`` compiles the compute between zinf nodes with Inductor (zinf ops stay
