@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import zinf_compile
-from zinf_compile.models import GPT, GPTConfig
+from zinf_compile.models import GPT, GPTConfig, make_batch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dp_common import train_on_slices  # noqa: E402
@@ -89,7 +89,6 @@ def main(out_path: str, options_json: str, steps: int, global_batch: int, cfg_js
         losses = train_on_slices(cmodel, opt, cfg, steps, global_batch,
                                  after_first_backward=lambda: grads.update(owner_grads(model)))
     else:  # [max_norm, norm_type]: clip_grad_norm_ on the sharded gradients before each step
-        from zinf_compile.models import make_batch
 
         world, per, losses = dist.get_world_size(), global_batch // dist.get_world_size(), []
         for step in range(steps):
@@ -117,9 +116,12 @@ def main(out_path: str, options_json: str, steps: int, global_batch: int, cfg_js
     except Exception as e:  # noqa: BLE001 - the test checks the type and text
         save_error = f"{type(e).__name__}: {e}"
     full = zinf_compile.full_state_dict(model, rank0_only=True)
+    ex, ey = make_batch(cfg, global_batch, seed=1000)  # as dp_train.py: every rank, inference mode
+    with torch.inference_mode():
+        eval_loss = cmodel(ex, ey).item()
     if rank == 0:
         torch.save({"losses": losses, "grads": grads, "state": full, "layout": lay, "counts": counts,
-                    "save_error": save_error}, out_path)
+                    "save_error": save_error, "eval_loss": eval_loss}, out_path)
     dist.barrier()
     dist.destroy_process_group()
 
