@@ -89,7 +89,6 @@ def main(out_path: str, options_json: str, steps: int, global_batch: int, cfg_js
         losses = train_on_slices(cmodel, opt, cfg, steps, global_batch,
                                  after_first_backward=lambda: grads.update(owner_grads(model)))
     else:  # [max_norm, norm_type]: clip_grad_norm_ on the sharded gradients before each step
-
         world, per, losses = dist.get_world_size(), global_batch // dist.get_world_size(), []
         for step in range(steps):
             x, y = make_batch(cfg, global_batch, seed=step)
