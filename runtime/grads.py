@@ -84,7 +84,11 @@ class ShardedGrad(torch.Tensor):
                 f"zinf: {func} writes into the gradient of a partitioned parameter, whose data are sharded "
                 "across ranks and tiers. Supported in-place ops: mul_/div_ by a scalar (clipping, "
                 "unscaling), zero_(). Assign a full tensor to param.grad instead, or read the value with "
-                "param.grad.full_tensor().")
+                "param.grad.full_tensor(). A DistributedDataParallel (or FSDP) wrapper around a zinf model "
+                "ends here too, its reducer writing every gradient: remove the wrapper, since zinf "
+                "reduce-scatters the gradients itself over torch.distributed's default group (option "
+                "process_group); with Lightning, a strategy that initializes torch.distributed without "
+                "wrapping the module.")
         return func(*tree_map(_materialize, args), **tree_map(_materialize, kwargs))
 
 
