@@ -125,4 +125,3 @@ def test_gpt_dp2_nvme_params_and_optimizer(tmp_path):
     for b in res["shard_bytes"]:  # half of every parameter per rank, on NVMe
         assert total / 2 <= b <= total / 2 + 4 * 64, (b, total)
     assert not any(nvme.iterdir()), "per-rank swap folders are removed at exit"
-
