@@ -140,3 +140,38 @@ def test_checkpoint_saved_and_loaded_under_inference_mode_resumes_as_eager(tmp_p
         assert torch.equal(zl, rl)
     full = zinf_compile.full_state_dict(model)
     assert all(torch.equal(full[k], v) for k, v in ref.state_dict().items())
+
+
+def test_hf_generate_under_inference_mode_between_training_steps(tmp_path):
+    """Sampling from the model between steps, as training scripts do: greedy ``generate`` (a KV cache,
+    a new length each token) under inference mode gives eager's tokens, and training goes on as
+    eager's. Dropout off: both sides then draw no random numbers."""
+    import warnings
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    ref = GPT2LMHeadModel(cfg)
+    model = copy.deepcopy(ref)
+    model.compile(backend="zinf", options=_options("nvme", tmp_path))
+    zopt = zinf_compile.optim.SGD(model.parameters(), lr=0.1)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(x)
+    for step in range(2):
+        for m, opt in ((model, zopt), (ref, ropt)):
+            m.train()
+            m(x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            m.eval()
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = model.generate(x, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+            want = ref.generate(x, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert got.shape == (2, 14) and torch.equal(got, want), step
+    model.train()
+    ref.train()
+    assert torch.equal(model(x, labels=x).loss, ref(x, labels=x).loss)
