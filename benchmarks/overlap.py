@@ -338,10 +338,9 @@ def model_dims(args: argparse.Namespace) -> Dict[str, int]:
     return {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in base.items()}
 
 
-def spawn(args: argparse.Namespace, row: str, extra: List[str], tmp: str) -> Dict[str, Any]:
-    out = os.path.join(tmp, f"{row}.json")
-    cache = os.path.join(tmp, f"inductor-{row}")
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, OMP_NUM_THREADS=str(args.threads))
+def row_command(args: argparse.Namespace, row: str, out: str, extra: List[str]) -> List[str]:
+    """The command line of ``row``'s subprocess: every option that shapes a row is passed on
+    (``tests/test_overlap_args.py`` parses it back and compares the row's options)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--row", row, "--json-out", out,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
            "--compiler", args.compiler, "--transfer-repeat", str(args.transfer_repeat), "--device", args.device]
@@ -357,7 +356,16 @@ def spawn(args: argparse.Namespace, row: str, extra: List[str], tmp: str) -> Dic
         cmd += ["--optimizer-prefetch", args.optimizer_prefetch]
     if args.read_cache_bytes is not None:
         cmd += ["--read-cache-bytes", str(args.read_cache_bytes)]
-    cmd += extra
+    if args.prefetch_depths:
+        cmd += ["--prefetch-depths", args.prefetch_depths, "--reduce-depths", args.reduce_depths]
+    return cmd + extra
+
+
+def spawn(args: argparse.Namespace, row: str, extra: List[str], tmp: str) -> Dict[str, Any]:
+    out = os.path.join(tmp, f"{row}.json")
+    cache = os.path.join(tmp, f"inductor-{row}")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, OMP_NUM_THREADS=str(args.threads))
+    cmd = row_command(args, row, out, extra)
     print(f"[{row}] running", flush=True)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, timeout=args.row_timeout)
@@ -424,7 +432,7 @@ def report(args: argparse.Namespace, results: Dict[str, Dict[str, Any]], summary
             o = r["options"]
             opt = (f"{o.get('offload_params')}/{o.get('offload_optimizer')}"
                    + (f", prefetch {tuple(o['prefetch_depths'])}, reduce {tuple(o['reduce_depths'])}"
-                      if "prefetch_depths" in o else (", defaults" if row == "scheduled" else ""))
+                      if "prefetch_depths" in o else (", default depths" if row != "memory" else ""))
                    + (", optimizer_prefetch off" if o.get("optimizer_prefetch") is False else "")
                    + (f", read cache {o['nvme_read_cache_bytes'] >> 20} MiB" if "nvme_read_cache_bytes" in o else "")
                    + (", defaults + overlap_optimizer_step" if o.get("overlap_optimizer_step") else ""))
