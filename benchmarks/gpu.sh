@@ -23,6 +23,13 @@
 #                      and gpu_check 34 s: the limits were moved to fit, same sum
 #   gpu_check (120 s)  benchmarks/gpu_check.py: correctness on the device (Triton kernels, fence
 #                      ordering, parity none/cpu/nvme, accumulation, bf16, Inductor, NCCL)
+#   overlap   (300 s)  only when named in --parts (the parts above already fill 585 s): issue 9's
+#                      overlap goals where they can be met. benchmarks/overlap.py --balance times the
+#                      70M GPT's in-memory step and one step's NVMe transfer at batch 2, picks the batch
+#                      where the two are equal (on the H200 of 2026-12-04 compute was 4% of the transfer
+#                      at batch 2, so no schedule could gain 1.5x there), then runs serial, scheduled,
+#                      memory and transfer at that batch; its report and a trace of the scheduled step
+#                      go to --keep-logs' archive. Run it alone: --parts setup,overlap
 #   --parts a,b,..     runs only these parts (in the order above): a lease is minutes long, so a rerun
 #                      after a fix repeats only what failed; the report lists only the parts run
 #   --keep-logs F.tgz  also keeps every part's full log and JSON in one archive (the report holds only
@@ -38,6 +45,7 @@ OUT=gpu.json
 ONLY=""
 KEEP=""
 ALL_PARTS="setup env peak copy step_cpu step_nvme gpu_check"
+OPT_PARTS="overlap"  # run only when --parts names them
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
@@ -47,16 +55,16 @@ while [ $# -gt 0 ]; do
     --parts=*) ONLY="${1#--parts=}" ;;
     --keep-logs) KEEP="$2"; shift ;;
     --keep-logs=*) KEEP="${1#--keep-logs=}" ;;
-    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,39p' "$0"; exit 0 ;;
     *) echo "gpu.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
 
 for p in ${ONLY//,/ }; do
-  case " $ALL_PARTS " in
+  case " $ALL_PARTS $OPT_PARTS " in
     *" $p "*) ;;
-    *) echo "gpu.sh: unknown part '$p' in --parts; choose from: ${ALL_PARTS// /,}" >&2; exit 2 ;;
+    *) echo "gpu.sh: unknown part '$p' in --parts; choose from: ${ALL_PARTS// /,},${OPT_PARTS// /,}" >&2; exit 2 ;;
   esac
 done
 
@@ -82,6 +90,7 @@ part() {
   local name="$1" limit="$2"; shift 2
   local t0 t1 rc
   if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then return 0; fi
+  if [ -z "$ONLY" ] && [[ " $OPT_PARTS " == *" $name "* ]]; then return 0; fi  # opt-in parts
   # the limits are sized for the GPU run; a dry run on a shared CPU only proves the script, so it may take longer
   [ "$DRY" = 1 ] && limit=$((limit * ${GPU_SH_DRY_TIMEOUT_SCALE:-5}))
   t0=$(date +%s.%N)
@@ -132,9 +141,11 @@ EOF
 if [ "$DRY" = 1 ]; then
   GPU_CHECK_ARGS=(--dry-run --only env,fence_ordering)  # its other dry checks: tests/test_gpu_safety.py
   COPY_ARGS=(--skip-bench)
+  OVERLAP_ARGS=(--quick --device cpu --steps 1 --warmup 0)
 else
   GPU_CHECK_ARGS=()
   COPY_ARGS=(--total-gib 0.5 --iters 3)
+  OVERLAP_ARGS=(--device cuda --steps 3 --warmup 1 --row-timeout 150 --trace "$PARTS/overlap.trace.json")
 fi
 
 part setup 30 setup
@@ -146,6 +157,9 @@ part step_cpu 120 "$PY" benchmarks/gpu_step.py step --offload cpu $DRYFLAG --pea
 part step_nvme 210 "$PY" benchmarks/gpu_step.py step --offload nvme --steps 2 --nvme-path "$NVME_DIR" $DRYFLAG \
   --peak-json "$PARTS/peak.json" --out "$PARTS/step_nvme.json"
 part gpu_check 120 "$PY" benchmarks/gpu_check.py --out "$PARTS/gpu_check.json" "${GPU_CHECK_ARGS[@]}"
+# writes overlap.json (the part's result) and overlap.md into the parts folder
+part overlap 300 "$PY" benchmarks/overlap.py --balance --compiler eager --rows serial,scheduled,memory,transfer \
+  --nvme-path "$NVME_DIR" --out "$PARTS" --name overlap "${OVERLAP_ARGS[@]}"
 
 MERGE_DRY=""
 [ "$DRY" = 1 ] && MERGE_DRY="--dry-run"
@@ -158,6 +172,11 @@ for name, p in r["parts"].items():
     extra = ""
     if "peak_tflops" in res and name == "peak":
         extra = f"peak {res['peak_tflops']:.1f} TFLOP/s bf16"
+    elif name == "overlap" and "summary" in res:
+        sm = res["summary"]
+        f = lambda v: "-" if v is None else f"{v:.2f}"
+        extra = (f"batch {res['model']['batch']}: serial/scheduled {f(sm['serial_over_scheduled'])} (goal >= 1.5), "
+                 f"scheduled/bound {f(sm['scheduled_over_bound'])} (goal <= 1.2)")
     elif "median_step_s" in res:
         extra = (f"{res['params'] / 1e9:.2f}e9 params, step {res['median_step_s']:.2f} s, "
                  f"{res['model_tflops']:.1f} TFLOP/s" + (f" = {res['fraction_of_peak']:.1%} of peak"

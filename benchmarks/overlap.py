@@ -36,7 +36,14 @@ Shared machine: each row reports the share of all cores other processes used whi
 (/proc/stat minus this row's process tree, as benchmarks/overhead.py) and the load average;
 a WARNING flags rows above 10%.
 
+Where the goals can be met: overlap saves at most min(compute, transfer) of serial's sum, so serial /
+scheduled is at most (c + t) / max(c, t), which reaches 1.5 only while t / c is between 0.5 and 2.
+``--balance`` first times the memory, serial and transfer rows at ``--batch``, picks the batch at which
+compute equals transfer (timing the memory row once more there, since compute is not linear in the
+batch where per-operator overhead dominates), and runs the rows at that batch.
+
     python benchmarks/overlap.py --out benchmarks/results                 # all rows
+    python benchmarks/overlap.py --balance --rows serial,scheduled,memory,transfer   # at the balanced batch
     python benchmarks/overlap.py --rows serial,memory,transfer --steps 3
     python benchmarks/overlap.py --trace /tmp/overlap-trace.json           # scheduled row writes a trace
     python benchmarks/overlap.py --quick --compiler eager --out /tmp/ob    # tiny model (smoke test)
@@ -85,6 +92,8 @@ def row_options(row: str, args: argparse.Namespace, nvme_path: str) -> Dict[str,
         opts["optimizer_prefetch"] = args.optimizer_prefetch == "on"
     if args.read_cache_bytes is not None:  # every NVMe row (default: the Config's)
         opts["nvme_read_cache_bytes"] = args.read_cache_bytes
+    if args.sub_group_bytes is not None:  # every NVMe row: the optimizer's sub-group and prefetch cap
+        opts["optimizer_sub_group_bytes"] = args.sub_group_bytes
     if row == "overlap_opt":
         opts["overlap_optimizer_step"] = True
     elif row == "scheduled" and args.trace:  # scheduled: the defaults, plus the trace if asked for
@@ -356,6 +365,8 @@ def row_command(args: argparse.Namespace, row: str, out: str, extra: List[str]) 
         cmd += ["--optimizer-prefetch", args.optimizer_prefetch]
     if args.read_cache_bytes is not None:
         cmd += ["--read-cache-bytes", str(args.read_cache_bytes)]
+    if args.sub_group_bytes is not None:
+        cmd += ["--sub-group-bytes", str(args.sub_group_bytes)]
     if args.prefetch_depths:
         cmd += ["--prefetch-depths", args.prefetch_depths, "--reduce-depths", args.reduce_depths]
     return cmd + extra
@@ -416,10 +427,18 @@ def report(args: argparse.Namespace, results: Dict[str, Dict[str, Any]], summary
              f"zinf_compile.optim.AdamW, compiler {args.compiler}, device {args.device}, {args.threads} threads  ",
              f"timing: first step (compile included), then {args.warmup} warm-up step(s), then the median of "
              f"{args.steps} steps; each row a fresh process with an empty Inductor cache  ",
-             f"machine: {os.cpu_count()} cores, load average at start {meta['load_start']}  ", "",
-             "| row | options | median step s | min s | CPU s/step | first step s | peak RSS MiB | NVMe read/step | "
-             "NVMe written/step | other procs' CPU | load1 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"machine: {os.cpu_count()} cores, load average at start {meta['load_start']}  "]
+    cal = meta.get("calibration")
+    if cal:
+        lines.append(f"batch chosen by --balance: at batch {cal['batch']} the memory row took {cal['memory_s']:.3f} s, "
+                     f"serial {cal['serial_s']:.3f} s and transfer {cal['transfer_s']:.3f} s (median of "
+                     f"{cal['steps']} steps)"
+                     + "".join(f"; at batch {r['batch']} memory took {r['memory_s']:.3f} s" for r in cal["refined"])
+                     + f", so compute equals transfer near batch {cal['balanced_batch']}  ")
+    lines += ["",
+              "| row | options | median step s | min s | CPU s/step | first step s | peak RSS MiB | NVMe read/step | "
+              "NVMe written/step | other procs' CPU | load1 |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in ROWS:
         r = results.get(row)
         if r is None:
@@ -435,6 +454,7 @@ def report(args: argparse.Namespace, results: Dict[str, Dict[str, Any]], summary
                       if "prefetch_depths" in o else (", default depths" if row != "memory" else ""))
                    + (", optimizer_prefetch off" if o.get("optimizer_prefetch") is False else "")
                    + (f", read cache {o['nvme_read_cache_bytes'] >> 20} MiB" if "nvme_read_cache_bytes" in o else "")
+                   + (f", sub-group {o['optimizer_sub_group_bytes'] >> 20} MiB" if "optimizer_sub_group_bytes" in o else "")
                    + (", defaults + overlap_optimizer_step" if o.get("overlap_optimizer_step") else ""))
             rd = r.get("nvme", {}).get("bytes_read_per_step")
             wr = r.get("nvme", {}).get("bytes_written_per_step")
@@ -536,6 +556,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer_prefetch of the scheduled and overlap_opt rows (default: the Config's)")
     p.add_argument("--read-cache-bytes", type=int, default=None, metavar="N",
                    help="nvme_read_cache_bytes of every NVMe row (default: the Config's, 64 MiB; 0: off)")
+    p.add_argument("--balance", action="store_true",
+                   help="first run the memory, serial and transfer rows at --batch, then run the rows at the batch "
+                        "where compute equals transfer (see balanced_batch); the report gives both")
+    p.add_argument("--max-batch", type=int, default=256, help="--balance: the largest batch it may pick")
+    p.add_argument("--sub-group-bytes", type=int, default=None, metavar="N",
+                   help="option optimizer_sub_group_bytes of every NVMe row: the bytes the streamed step holds and "
+                        "the cap of the optimizer's prefetch during backward (default: the Config's, 256 MiB)")
     p.add_argument("--trace", default=None, metavar="PATH", help="pass option trace=PATH to the scheduled row")
     p.add_argument("--transfer-repeat", type=int, default=3, help="write+read runs of the transfer row (median)")
     p.add_argument("--row-timeout", type=float, default=3600, help="seconds before a row's process is killed")
@@ -545,6 +572,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json-out", help=argparse.SUPPRESS)
     p.add_argument("--transfer-spec", help=argparse.SUPPRESS)
     return p
+
+
+def balanced_batch(batch: int, compute_s: float, transfer_s: float, max_batch: int) -> int:
+    """The batch at which the in-memory step's compute equals the step's transfer time.
+
+    Why: overlap hides at most min(compute, transfer) of serial's compute + transfer, so serial /
+    scheduled is at most (c + t) / max(c, t): 2 where they balance, 1.3 where one is three times the
+    other. The transfer (parameter and optimizer bytes) does not depend on the batch and compute grows
+    with it, so the batch that balances them is the one where the goal of 1.5 is reachable at all. It
+    is rounded to the nearest whole batch, at least 1 and at most ``max_batch``."""
+    return max(1, min(max_batch, round(batch * transfer_s / compute_s)))
+
+
+def calibrate(args: argparse.Namespace, tmp: str) -> Dict[str, Any]:
+    """``--balance``: the memory, serial and transfer rows at the given batch (2 timed steps), then the
+    batch that balances compute and transfer (``balanced_batch``); the measured rows then run at it."""
+    probe = argparse.Namespace(**vars(args))
+    probe.steps, probe.trace = min(args.steps, 2), None
+    here = os.path.join(tmp, "calibrate")  # its own row files and Inductor caches
+    os.makedirs(here)
+    res: Dict[str, Dict[str, Any]] = {}
+    for row in ("memory", "serial", "transfer"):
+        extra: List[str] = []
+        if row == "transfer":
+            spec = dict(res["serial"]["nvme"], source="the serial row's per-step NVMe bytes")
+            extra = ["--transfer-spec", json.dumps(spec)]
+        res[row] = spawn(probe, row, extra, here)
+    batch = model_dims(args)["batch"]
+    c, t = res["memory"]["median_step_s"], res["transfer"]["median_step_s"]
+    out: Dict[str, Any] = {"batch": batch, "memory_s": c, "serial_s": res["serial"]["median_step_s"],
+                           "transfer_s": t, "steps": probe.steps, "refined": []}
+    guess = balanced_batch(batch, c, t, args.max_batch)
+    print(f"[calibrate] batch {batch}: compute {c:.3f} s, transfer {t:.3f} s -> batch {guess}", flush=True)
+    # compute is not linear in the batch where per-operator overhead dominates (a GPU at a small batch):
+    # time the memory row once more at the guess and correct it
+    if guess != batch:
+        probe.batch = guess
+        again = os.path.join(here, f"batch{guess}")
+        os.makedirs(again)
+        c2 = spawn(probe, "memory", [], again)["median_step_s"]
+        out["refined"].append({"batch": guess, "memory_s": c2})
+        guess = balanced_batch(guess, c2, t, args.max_batch)
+        print(f"[calibrate] batch {probe.batch}: compute {c2:.3f} s -> batch {guess}", flush=True)
+    out["balanced_batch"] = guess
+    return out
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -582,6 +654,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     tmp = tempfile.mkdtemp(prefix="zinf-overlap-")
     results: Dict[str, Dict[str, Any]] = {}
     try:
+        if args.balance:
+            meta["calibration"] = calibrate(args, tmp)
+            args.batch = meta["calibration"]["balanced_batch"]
         for row in rows:
             extra: List[str] = []
             if row == "transfer":

@@ -105,3 +105,21 @@ def test_gpu_sh_parses_the_copy_check_table():
     got = parse_copy_log(text)
     assert got["bandwidth"] == {n: {"ms": round(ms, 2), "GB/s": round(nbytes / ms / 1e6, 1)} for n, ms in rows}
     assert got["summary"][0].startswith("speedup vs torch.cat") and got["summary"][-1] == "PASS in 12.0 s"
+
+
+@pytest.mark.slow
+def test_gpu_sh_overlap_part_runs_only_when_named(tmp_path):
+    """The overlap part (issue 9's goals at the balanced batch) is opt-in: the default parts already fill
+    the 10 minutes, so only ``--parts`` runs it; its dry run goes through the calibration on CPU."""
+    out = tmp_path / "o.json"
+    proc = subprocess.run(["bash", GPU_SH, "--dry-run", "--parts", "overlap", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900, env=dict(_env(), NVME_DIR=str(tmp_path)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    part = json.loads(out.read_text())["parts"]["overlap"]
+    assert part["status"] == "pass", part
+    res = part["result"]
+    cal = res["meta"]["calibration"]
+    assert res["model"]["batch"] == cal["balanced_batch"] >= 1
+    assert set(res["results"]) == {"serial", "scheduled", "memory", "transfer"}
+    assert res["summary"]["serial_over_scheduled"] > 0 and res["summary"]["scheduled_over_bound"] > 0
+    assert "serial/scheduled" in proc.stdout and "scheduled/bound" in proc.stdout
