@@ -71,6 +71,7 @@ def test_backward_and_the_optimizer_do_not_read_a_cached_parameter_again(tmp_pat
     assert hits_on > 2 * n  # forward's fetch and the master read of every parameter, and backward's fetches
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_a_cached_shard_is_copied_on_the_fetching_thread(compiler, tmp_path):
     """A fetch that finds its shard in the read cache has no read to wait for, so its copy to the
