@@ -628,6 +628,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.warmup = 0 if args.quick else 1
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.max_batch < 1:
+        p.error(f"--max-batch must be >= 1 (the largest batch --balance may pick), got {args.max_batch}")
     if args.nvme_path and not os.path.isdir(args.nvme_path):
         p.error(f"--nvme-path {args.nvme_path!r} is not a directory; create it first")
 

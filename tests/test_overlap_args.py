@@ -98,3 +98,9 @@ def test_balance_corrects_a_guess_where_compute_is_not_linear(monkeypatch, tmp_p
     cal = overlap.calibrate(args, str(tmp_path))
     assert seen == [("memory", 2), ("serial", 2), ("transfer", 2), ("memory", 24)]
     assert cal["refined"] == [{"batch": 24, "memory_s": 0.6}] and cal["balanced_batch"] == 48
+
+
+def test_max_batch_below_one_is_refused(capsys):
+    with pytest.raises(SystemExit) as ei:
+        overlap.main(["--balance", "--max-batch", "0"])
+    assert ei.value.code == 2 and "--max-batch must be >= 1" in capsys.readouterr().err
