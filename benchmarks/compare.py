@@ -271,6 +271,22 @@ def _ratio(a: Optional[float], b: Optional[float]) -> str:
     return f"{a / b:.2f}" if a and b else "-"
 
 
+def _paired(ra: Dict[str, Any], rb: Dict[str, Any], goal: float) -> str:
+    """With ``--repeat``, the two rows' ratio in each round, as a suffix of the goal line.
+
+    Why: the machine's speed drifts by 10-25% within an hour, and a round runs its rows minutes
+    apart, so a round's ratio cancels most of the drift that the ratio of the two rows' medians
+    (the verdict, as the issue defines it) carries. Shown only when both rows finished every round
+    (runs pair by their order); a verdict is never taken from it."""
+    xa, xb = ra.get("runs_median_step_s") or [], rb.get("runs_median_step_s") or []
+    if len(xa) < 2 or len(xa) != len(xb) or ra.get("failed_runs") or rb.get("failed_runs"):
+        return ""
+    per = [p / q for p, q in zip(xa, xb)]
+    met = sum(r <= goal for r in per)
+    return (f" (per round: {', '.join(f'{r:.2f}' for r in per)}; median {statistics.median(per):.2f}x, "
+            f"{met} of {len(per)} rounds within {goal}x)")
+
+
 def goals(rows: Dict[str, Dict[str, Any]]) -> List[str]:
     """The issue's goals (same run, same machine), reported PASS/MISS; never asserted."""
     def med(r: str) -> Optional[float]:
@@ -289,7 +305,8 @@ def goals(rows: Dict[str, Dict[str, Any]]) -> List[str]:
         if x and y and ka and kb and ka != kb:  # merged runs: one row stepped another AdamW kernel
             out.append(f"n/a  {text}: {a} ran with the {ka} AdamW kernel, {b} with the {kb} one (--adam)")
         elif x and y:
-            out.append(f"{'PASS' if x / y <= g and (g != 1.0 or x < y) else 'MISS'} {text}: {x / y:.2f}x")
+            out.append(f"{'PASS' if x / y <= g and (g != 1.0 or x < y) else 'MISS'} {text}: {x / y:.2f}x"
+                       + _paired(rows[a], rows[b], g))
         else:
             out.append(f"n/a  {text}: a row did not run")
     offl = {r: v["rss_sum_mib"] for r, v in rows.items() if v.get("ok") and ("cpu" in r or "nvme" in r) and v["dp"] == 2}
