@@ -25,7 +25,9 @@ with gloo for dp = 2), with its own empty Inductor cache, so the first step incl
 ``--repeat N`` runs the selected rows N times in round-robin order (A B A B ...), each run a fresh
 process, so the drift of a shared machine reaches every row alike; a row's step is then the median
 of its runs' medians, and the table shows the runs' range. Why: one run per row moved by up to 25%
-between runs on this VM, more than some of the differences the goals ask about.
+between runs on this VM, more than some of the differences the goals ask about. Each goal line then
+also lists the two rows' ratio in every round and how many rounds met the goal: a round runs its
+rows minutes apart, so its ratio carries less of the drift (the verdict stays the ratio of medians).
 
 Reported per row: the median of the timed steps (after the first step and ``--warmup`` steps), the
 first step (includes compilation), peak RSS as the sum over ranks and the largest rank (each rank's
