@@ -29,3 +29,20 @@ def test_a_ddp_wrapper_gets_an_error_naming_it_and_the_fix(order):
     assert proc.returncode != 0
     assert "DistributedDataParallel (or FSDP) wrapper around a zinf model" in proc.stderr, proc.stderr[-4000:]
     assert "remove the wrapper" in proc.stderr
+
+
+@pytest.mark.slow
+def test_the_hf_trainer_at_dp2_gets_the_error_naming_it(tmp_path):
+    """accelerate wraps the model in DDP once two processes run: the README's Trainer recipe at dp 2
+    must stop with the error that names the Trainer and what to do instead (about 40 s)."""
+    pytest.importorskip("transformers", reason="transformers is installed by `make setup`")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+           "127.0.0.1", "--master-port", str(port), os.path.join(HERE, "workers", "hf_trainer_dp.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode != 0
+    assert "DistributedDataParallel (or FSDP) wrapper around a zinf model" in proc.stderr, proc.stderr[-4000:]
+    assert "The Hugging Face Trainer (through accelerate) wraps the model" in proc.stderr
