@@ -284,7 +284,7 @@ def _paired(ra: Dict[str, Any], rb: Dict[str, Any], goal: float) -> str:
     if len(xa) < 2 or len(xa) != len(xb) or ra.get("failed_runs") or rb.get("failed_runs"):
         return ""
     per = [p / q for p, q in zip(xa, xb)]
-    met = sum(r <= goal for r in per)
+    met = sum(r <= goal and (goal != 1.0 or r < 1.0) for r in per)  # the verdict's own test, per round
     return (f" (per round: {', '.join(f'{r:.2f}' for r in per)}; median {statistics.median(per):.2f}x, "
             f"{met} of {len(per)} rounds within {goal}x)")
 

@@ -16,16 +16,21 @@ import pytest
 HERE = os.path.dirname(__file__)
 
 
-@pytest.mark.parametrize("order", ["ddp_then_compile", "compile_then_ddp"])
-def test_a_ddp_wrapper_gets_an_error_naming_it_and_the_fix(order):
-    """zinf reduces gradients itself: DDP around it must fail clearly, not train on doubled reductions."""
+def _torchrun(worker: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """``tests/workers/<worker>`` on 2 gloo ranks under torchrun, on a free port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-           "127.0.0.1", "--master-port", str(port), os.path.join(HERE, "workers", "ddp_wrapped.py"), order]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+           "127.0.0.1", "--master-port", str(port), os.path.join(HERE, "workers", worker), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+@pytest.mark.parametrize("order", ["ddp_then_compile", "compile_then_ddp"])
+def test_a_ddp_wrapper_gets_an_error_naming_it_and_the_fix(order):
+    """zinf reduces gradients itself: DDP around it must fail clearly, not train on doubled reductions."""
+    proc = _torchrun("ddp_wrapped.py", order, timeout=240)
     assert proc.returncode != 0
     assert "DistributedDataParallel (or FSDP) wrapper around a zinf model" in proc.stderr, proc.stderr[-4000:]
     assert "remove the wrapper" in proc.stderr
@@ -36,13 +41,7 @@ def test_the_hf_trainer_at_dp2_gets_the_error_naming_it(tmp_path):
     """accelerate wraps the model in DDP once two processes run: the README's Trainer recipe at dp 2
     must stop with the error that names the Trainer and what to do instead (about 40 s)."""
     pytest.importorskip("transformers", reason="transformers is installed by `make setup`")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-           "127.0.0.1", "--master-port", str(port), os.path.join(HERE, "workers", "hf_trainer_dp.py"), str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = _torchrun("hf_trainer_dp.py", str(tmp_path), timeout=300)
     assert proc.returncode != 0
     assert "DistributedDataParallel (or FSDP) wrapper around a zinf model" in proc.stderr, proc.stderr[-4000:]
     assert "The Hugging Face Trainer (through accelerate) wraps the model" in proc.stderr
