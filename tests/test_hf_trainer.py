@@ -22,21 +22,11 @@ import pytest
 import torch
 
 import zinf_compile
+from workers.hf_common import Tokens
 
 pytestmark = pytest.mark.parity  # run again under ATEN_CPU_CAPABILITY=default by make test
 
 transformers = pytest.importorskip("transformers", reason="transformers is installed by `make setup`")
-
-
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int = 16, seq: int = 16, vocab: int = 128):
-        self.x = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
 def _train(zinf: bool, tmp_path) -> tuple[list, dict]:
@@ -53,7 +43,7 @@ def _train(zinf: bool, tmp_path) -> tuple[list, dict]:
         output_dir=str(tmp_path / ("zinf" if zinf else "eager")), per_device_train_batch_size=2,
         gradient_accumulation_steps=2, max_steps=4, logging_steps=1, report_to=[], save_strategy="no",
         use_cpu=True, max_grad_norm=1.0, seed=0, dataloader_num_workers=0, disable_tqdm=True)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(), optimizers=(opt, None))
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(opt, None))
     trainer.train()
     logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
     # the same calls for both: model.state_dict() (full values under zinf) and Trainer.save_model

@@ -98,3 +98,17 @@ def loss_terms(model: torch.nn.Module, b: Batch) -> torch.Tensor:
     logits, labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
     keep = labels != -100
     return F.cross_entropy(logits[keep], labels[keep], reduction="none") / keep.sum()
+
+
+class Tokens(torch.utils.data.Dataset):
+    """``n`` random rows of ``seq`` token ids, each its own label: the Trainer recipe's dataset
+    (tests/test_hf_trainer.py and its dp-2 worker)."""
+
+    def __init__(self, n: int = 16, seq: int = 16, vocab: int = VOCAB):
+        self.x = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.x[i], "labels": self.x[i]}

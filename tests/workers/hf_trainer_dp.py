@@ -7,6 +7,7 @@ Trainer and what to do, not a run that trains on doubled reductions.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -14,16 +15,8 @@ import transformers
 
 import zinf_compile
 
-
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int = 8, seq: int = 16, vocab: int = 128):
-        self.x = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.x[i], "labels": self.x[i]}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hf_common import Tokens  # noqa: E402
 
 
 def main(out: str) -> None:
@@ -36,7 +29,7 @@ def main(out: str) -> None:
     args = transformers.TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=2, report_to=[],
                                           save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0,
                                           disable_tqdm=True, ddp_backend="gloo", ddp_timeout=120)
-    transformers.Trainer(model=model, args=args, train_dataset=_Tokens(), optimizers=(opt, None)).train()
+    transformers.Trainer(model=model, args=args, train_dataset=Tokens(n=8), optimizers=(opt, None)).train()
 
 
 if __name__ == "__main__":
