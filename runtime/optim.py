@@ -62,16 +62,12 @@ class ShardedOptimizerMixin:
 
     def add_param_group(self, param_group: dict) -> None:  # type: ignore[override]
         super().add_param_group(param_group)  # type: ignore[misc]
-        for p in self.param_groups[-1]["params"]:
-            if p.requires_grad and not hasattr(p, "_zinf_average_hook"):
-                p._zinf_average_hook = p.register_post_accumulate_grad_hook(_average_replicated(self))
+        register_average_hooks(self, self.param_groups[-1]["params"])
 
     def _dp_group(self) -> object:
         """The dp group of this optimizer's partitioned parameters (None: the default group)."""
-        for group in self.param_groups:
-            for _, h in store.iter_handles(group["params"]):
-                return h.placement.group
-        return None
+        group = partitioned_group(self)
+        return None if group is NOT_OURS else group
 
     @outside_inference_mode  # runtime/modes.py: its buffers outlive the call
     def step(self, closure: Optional[Callable[[], float]] = None):  # type: ignore[override]
@@ -481,23 +477,96 @@ class _Borrowed:
         self.t = t
 
 
-def _average_replicated(optimizer: ShardedOptimizerMixin) -> Callable[[torch.Tensor], None]:
+NOT_OURS = object()  # partitioned_group's answer for an optimizer holding no partitioned parameter
+
+
+def partitioned_group(optimizer: torch.optim.Optimizer) -> object:
+    """The dp group of the optimizer's partitioned parameters (None: the default group), or
+    ``NOT_OURS`` when it holds none."""
+    for group in optimizer.param_groups:
+        for _, h in store.iter_handles(group["params"]):
+            return h.placement.group
+    return NOT_OURS
+
+
+def average_over_dp(grad: torch.Tensor, group: object) -> None:
+    """``grad`` (a replicated parameter's) becomes its mean over the dp group, in place."""
+    world = comm.world_size(group)  # type: ignore[arg-type]
+    if world > 1:
+        comm.all_reduce_sum(grad, group)  # type: ignore[arg-type]
+        grad.div_(world)
+
+
+class _Owners:
+    """The optimizers a replicated parameter's averaging hook serves (weakly), and that hook's handle.
+
+    Kept on the parameter; it pickles empty and unhooked (``torch.save`` of a module pickles its
+    parameters' attributes; a loaded parameter has neither optimizer nor hook, and gets both anew)."""
+
+    def __init__(self) -> None:
+        self.refs: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+        self.handle: Any = None
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()  # type: ignore[misc]
+
+
+def register_average_hooks(optimizer: torch.optim.Optimizer, params: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Make ``optimizer`` one of the owners whose dp group ``_average_replicated`` averages each of
+    ``params`` over (the hook itself is registered once per parameter). Returns the parameters that
+    no zinf optimizer owned until now: their gradient so far, if any, was accumulated unaveraged.
+
+    The owners are weak: an optimizer made again for the same model (a second ``Trainer.fit``, a
+    re-created optimizer) joins them, and one that is gone stops counting; a hook tied to the first
+    optimizer alone stopped averaging once that optimizer was collected."""
+    fresh = []
+    for p in params:
+        if not p.requires_grad:
+            continue
+        owners = p.__dict__.get("_zinf_average_owners")
+        if owners is None:
+            owners = p._zinf_average_owners = _Owners()
+        if owners.handle is None:
+            owners.handle = p.register_post_accumulate_grad_hook(_average_replicated)
+        if optimizer not in owners.refs:
+            if not any(partitioned_group(o) is not NOT_OURS for o in list(owners.refs)):
+                fresh.append(p)
+            owners.refs.add(optimizer)
+    return fresh
+
+
+def unregister_average_hooks(optimizer: torch.optim.Optimizer, params: List[torch.Tensor]) -> None:
+    """Undo ``register_average_hooks`` for ``optimizer`` (the hook goes with its last owner)."""
+    for p in params:
+        owners = p.__dict__.get("_zinf_average_owners")
+        if owners is None:
+            continue
+        owners.refs.discard(optimizer)
+        if not owners.refs and owners.handle is not None:
+            owners.handle.remove()
+            owners.handle = None
+
+
+def _average_replicated(p: torch.Tensor) -> None:
     """A post-accumulate-grad hook: a parameter no compiled graph partitions (used only in eager code)
     is replicated on every rank, so its gradient is averaged over dp as DDP does. Averaging the
-    accumulated ``.grad`` after each backward is exact: mean(mean(g1) + g2) = mean(g1) + mean(g2)."""
-    ref = weakref.ref(optimizer)
+    accumulated ``.grad`` after each backward is exact: mean(mean(g1) + g2) = mean(g1) + mean(g2).
 
-    def hook(p: torch.Tensor) -> None:
-        opt = ref()
-        if opt is None or store.handle_of(p) is not None or p.grad is None:
+    Over the dp group of the first live owner (``register_average_hooks``) that holds partitioned
+    parameters. It may be registered before anything is partitioned (a plain optimizer whose first
+    step runs the first forward in its closure: ``optim_adapt.pre_step``), so it asks at each call; an
+    optimizer that holds none is not zinf's to average for."""
+    if store.handle_of(p) is not None or p.grad is None:
+        return
+    owners = p.__dict__.get("_zinf_average_owners")
+    for opt in list(owners.refs) if owners is not None else ():
+        group = partitioned_group(opt)
+        if group is not NOT_OURS:
+            average_over_dp(p.grad, group)
             return
-        group = opt._dp_group()
-        world = comm.world_size(group)
-        if world > 1:
-            comm.all_reduce_sum(p.grad, group)
-            p.grad.div_(world)
-
-    return hook
 
 
 class AdamW(ShardedOptimizerMixin, torch.optim.AdamW):

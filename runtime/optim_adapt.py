@@ -26,9 +26,10 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from . import store, transfer
+from . import comm, store, transfer
 from .modes import outside_inference_mode
-from .optim import SGD, Adam, AdamW, ShardedOptimizerMixin, _average_replicated
+from .optim import (SGD, Adam, AdamW, NOT_OURS, ShardedOptimizerMixin, average_over_dp, partitioned_group,
+                    register_average_hooks, unregister_average_hooks)
 
 _TWINS: Dict[type, type] = {torch.optim.AdamW: AdamW, torch.optim.Adam: Adam, torch.optim.SGD: SGD}
 _CHECKED: Dict[tuple, None] = {}
@@ -127,17 +128,35 @@ def check_elementwise(optimizer: torch.optim.Optimizer, device: torch.device) ->
 
 
 def convert(optimizer: torch.optim.Optimizer) -> None:
-    """Make ``optimizer`` the sharded twin of its class, in place (state, groups and hooks kept)."""
+    """Make ``optimizer`` the sharded twin of its class, in place (state, groups and hooks kept).
+
+    A replicated parameter's gradient from a backward before this first step was accumulated
+    without the averaging hook: it is averaged now, with a warning, since a ``clip_grad_norm_`` in
+    between saw each rank's own value (``_warn_late_average``)."""
     optimizer.__class__ = sharded_class(type(optimizer))
     optimizer._patch_step_function()  # torch's hook wrapper around the twin's step: hooks fire once
-    hook = _average_replicated(optimizer)  # type: ignore[arg-type]
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.requires_grad and not hasattr(p, "_zinf_average_hook"):
-                p._zinf_average_hook = p.register_post_accumulate_grad_hook(hook)
+    fresh = register_average_hooks(optimizer, [p for g in optimizer.param_groups for p in g["params"]])
+    late = [p for p in fresh if p.grad is not None and store.handle_of(p) is None]
+    group = partitioned_group(optimizer)
+    if late and group is not NOT_OURS and comm.world_size(group) > 1:  # type: ignore[arg-type]
+        _warn_late_average(optimizer, late)
+        for p in late:
+            average_over_dp(p.grad, group)
     for p, h in list(store.iter_handles([p for g in optimizer.param_groups for p in g["params"]])):
         if p in optimizer.state:  # loaded before the first step: onto the optimizer's tier
             optimizer._adopt_state(p, h, optimizer.state.pop(p))  # type: ignore[attr-defined]
+
+
+def _warn_late_average(optimizer: torch.optim.Optimizer, late: list) -> None:
+    import warnings
+
+    shapes = [tuple(p.shape) for p in late][:4]
+    warnings.warn(
+        f"zinf: {type(optimizer).__name__} became zinf's sharded optimizer at its first step, after a backward: "
+        f"the gradients of {len(late)} replicated parameter(s) (used outside the compiled graph, shapes "
+        f"{shapes}) were averaged over dp only now. A clip_grad_norm_ before this step saw each rank's own "
+        "values. Convert before the first backward with zinf_compile.optim.sharded(optimizer), or build it "
+        "from zinf_compile.optim (AdamW, Adam, SGD)", RuntimeWarning, stacklevel=3)
 
 
 # torch's own elementwise classes, whose ``step(closure)`` calls the closure once, first, under
@@ -191,8 +210,13 @@ def pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Opt
     first = next((h for _, h in store.iter_handles(params)), None)
     result = None
     if first is None and _closure_of(args, kwargs) is not None and type(optimizer) in _CLOSURE_FIRST:
+        # the closure's backward may be the first over partitioned parameters: the replicated ones
+        # must be averaged in it, before a clip_grad_norm_ inside the closure reads them (Lightning)
+        register_average_hooks(optimizer, params)
         result = args, kwargs = _run_closure(args, kwargs)
         first = next((h for _, h in store.iter_handles(params)), None)
+        if first is None:  # not zinf's optimizer: its backward needs no hook of ours
+            unregister_average_hooks(optimizer, params)
     if first is None:  # not ours: remembered until more parameters are partitioned anywhere
         _WITHOUT[optimizer] = store.epoch
         return result

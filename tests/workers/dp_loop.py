@@ -4,6 +4,7 @@ Scenario ``train``: a model whose parameters have odd sizes (uneven shards, odd 
 differs per rank before compile, and a parameter used only in eager code (replicated). Each rank takes
 its half of the global batch; the loop clips with ``clip_grad_norm_(model.parameters())`` and steps SGD;
 then ``model.state_dict()`` on every rank, and ``load_state_dict`` of the initial values.
+Scenario ``plain``: the same loop with a plain ``torch.optim.SGD`` and no clipping.
 Scenarios ``eval_alone`` / ``eval_vs_train``: rank 0 evaluates while rank 1 is idle / training.
 """
 
@@ -61,7 +62,23 @@ def main(out_path: str, scenario: str, options_json: str, steps: int) -> None:
     opt = zinf_compile.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     result: dict = {"losses": [], "norms": []}
     batches = data(steps)
-    if scenario == "train":
+    if scenario == "plain":
+        # a plain torch optimizer: zinf converts it at its first step, after the first backward, which
+        # ran without the hook that averages the replicated `scale`; no clipping (it would have seen
+        # rank-local values: the warning says so)
+        import warnings
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for x, y in batches:
+                lo, hi = rank * len(x) // world, (rank + 1) * len(x) // world
+                loss_of(cnet(x[lo:hi]), model.scale, y[lo:hi]).backward()
+                opt.step()
+                model.zero_grad()
+        result["warnings"] = [str(w.message) for w in seen if "replicated" in str(w.message)]
+        result["state"] = zinf_compile.full_state_dict(model)
+        result["scale_rank"] = model.scale.detach().clone()
+    elif scenario == "train":
         for x, y in batches:
             lo, hi = rank * len(x) // world, (rank + 1) * len(x) // world
             loss = loss_of(cnet(x[lo:hi]), model.scale, y[lo:hi])
@@ -114,7 +131,7 @@ def main(out_path: str, scenario: str, options_json: str, steps: int) -> None:
             result["error"] = str(exc)
         result["seconds"] = time.time() - t0
     torch.save(result, f"{out_path}.{rank}")
-    if scenario in ("train", "scaler"):
+    if scenario in ("train", "scaler", "plain"):
         dist.barrier()
         dist.destroy_process_group()
 
