@@ -194,6 +194,46 @@ def test_load_into_a_trained_model_restores_the_saved_state(tmp_path):
     assert_same(zinf_compile.full_state_dict(model), saved["params"])
 
 
+def test_load_into_a_module_holding_a_compiled_part_partitions_that_part(tmp_path):
+    """An uncompiled module whose child is zinf-compiled (a LightningModule's ``self.net``), loaded
+    before its first call: the child is partitioned by the load with its own options, as its first call
+    would, instead of being filled with full tensors; the next steps equal the saved model's."""
+    import zinf_runtime
+
+    cfg = GPTConfig(**CFG)
+    options = {"compiler": "eager", "offload_optimizer": "cpu"}
+
+    def outer() -> torch.nn.Module:
+        torch.manual_seed(0)
+        m = torch.nn.Module()
+        m.net = torch.compile(GPT(cfg), backend="zinf", options=options)
+        m.scale = torch.nn.Parameter(torch.tensor(1.5))  # outside the compiled part: loaded whole
+        return m
+
+    def step(m: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> torch.Tensor:
+        x, y = make_batch(cfg, 4, seed=seed)
+        loss = m.net(x, y) * m.scale
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    a = outer()
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+    step(a, opt_a, 0)
+    zinf_compile.save(tmp_path / "ck", a, opt_a)
+    b = outer()
+    with torch.no_grad():
+        b.scale.fill_(7.0)
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)
+    zinf_compile.load(tmp_path / "ck", b, opt_b)
+    assert all(zinf_runtime.handle_of(p) is not None for p in b.net.parameters())  # by the load
+    assert zinf_runtime.handle_of(b.scale) is None and torch.equal(b.scale, a.scale)
+    for seed in (1, 2):  # the same ops on the same values: bitwise
+        assert torch.equal(step(b, opt_b, seed), step(a, opt_a, seed))
+    assert_same(zinf_compile.full_state_dict(b), zinf_compile.full_state_dict(a))
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])
 def test_export_equals_full_state_dict_and_loads_eagerly(tmp_path, fmt):
     model, cmodel, _ = _trained_zinf()

@@ -26,7 +26,11 @@ from .config import Config
 
 
 def partition_now(model: torch.nn.Module, options: Any) -> None:
-    """Partition a zinf-compiled model that was not called yet, as its first call would."""
+    """Partition a zinf-compiled model that was not called yet, as its first call would.
+
+    A model that is not compiled itself but holds zinf-compiled submodules (a LightningModule whose
+    ``self.net`` is compiled) has each of those partitioned with its own options: loading into full
+    tensors that the first call then partitions would hold the whole model in memory on every rank."""
     mod = unwrap(model)
     todo = [(fqn, p) for fqn, p in named_params(mod) if zinf_runtime.handle_of(p) is None]
     if not todo:
@@ -34,7 +38,9 @@ def partition_now(model: torch.nn.Module, options: Any) -> None:
     if options is None:
         found = _torch_compat.compile_options_of(model) or _torch_compat.compile_options_of(mod)
         if found is None or found[0] != "zinf":
-            return  # not compiled with zinf: an eager module gets full tensors
+            for child in _compiled_children(mod):  # an eager module, or one holding compiled parts
+                partition_now(child, None)
+            return
         options = found[1]
     cfg = Config.from_options(options)
     devices = {p.device for _, p in todo}
@@ -45,6 +51,18 @@ def partition_now(model: torch.nn.Module, options: Any) -> None:
     with zinf_runtime.compiling(options, device_memory_budget=cfg.device_memory_budget,
                                 malloc_mmap_threshold=cfg.malloc_mmap_threshold):
         zinf_runtime.partition(todo, placement, sync_from_rank0=False)  # every value is overwritten next
+
+
+def _compiled_children(mod: torch.nn.Module) -> List[torch.nn.Module]:
+    """The outermost descendants of ``mod`` compiled with ``backend="zinf"`` (not searched inside)."""
+    out: List[torch.nn.Module] = []
+    for child in mod.children():
+        found = _torch_compat.compile_options_of(child) or _torch_compat.compile_options_of(unwrap(child))
+        if found is not None and found[0] == "zinf":
+            out.append(child)
+        else:
+            out.extend(_compiled_children(child))
+    return out
 
 
 def _optim_names(metadata: Any) -> Dict[str, List[str]]:
