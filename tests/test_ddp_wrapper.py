@@ -7,24 +7,12 @@ test_dp.py's module mark would put it in.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
 
-HERE = os.path.dirname(__file__)
-
-
-def _torchrun(worker: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
-    """``tests/workers/<worker>`` on 2 gloo ranks under torchrun, on a free port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-           "127.0.0.1", "--master-port", str(port), os.path.join(HERE, "workers", worker), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+sys.path.insert(0, os.path.dirname(__file__))
+from _torchrun import torchrun as _torchrun  # noqa: E402
 
 
 @pytest.mark.parametrize("order", ["ddp_then_compile", "compile_then_ddp"])

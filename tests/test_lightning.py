@@ -13,6 +13,9 @@ parameters and the saved checkpoints must be equal.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
@@ -119,3 +122,56 @@ def test_lightning_fit_validate_resume_and_checkpoint_match_eager(tmp_path):
     assert len(zbufs) == len(rbufs) > 0
     for a, b in zip(zbufs, rbufs):  # zinf's state is the flat shard: the whole parameter at dp 1
         assert torch.equal(a.reshape(b.shape), b)
+
+
+def test_lightning_at_dp2_with_zinf_strategy_matches_ddp(tmp_path):
+    """``Trainer(devices=2, strategy=ZinfStrategy())`` under torchrun against eager DDP
+    (``strategy="ddp"``) on the same module, data split and steps (tests/workers/lightning_dp.py): fit
+    with clipping, validation and ``ModelCheckpoint``, ``validate``, then a fresh module resuming from
+    the sharded checkpoint (params and optimizer on NVMe) to step 6. About 30 s.
+
+    Tolerance: at dp 2 both reduce a gradient as the sum of two half-batch values (exact order), so
+    the gradients are the same; what may differ is the clip coefficient, from zinf's per-shard norms
+    summed in float64 against eager's per-tensor fp32 norms: a few ulps. Each update is at most
+    lr x 0.05 (the clipped norm), so that costs ~1e-9 a step, and each parameter may round to the
+    neighbouring fp32 value once a step: 6 ulps of |p| over 6 steps (``rtol=1e-6``). A first step
+    whose replicated gradient was not averaged moved ``scale`` by 3e-6 and the losses by 1e-5."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from _torchrun import torchrun
+
+    runs = {}
+    for mode in ("zinf", "eager"):
+        proc = torchrun("lightning_dp.py", mode, str(tmp_path / mode), timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        runs[mode] = [torch.load(tmp_path / mode / f"result{r}.pt") for r in range(2)]
+    tol = dict(rtol=1e-6, atol=1e-7)
+    for z, e in zip(runs["zinf"], runs["eager"]):
+        assert len(z["train"]) == len(e["train"]) == 6 and len(z["val"]) == len(e["val"]) == 6
+        torch.testing.assert_close(torch.stack(z["train"]), torch.stack(e["train"]), **tol)
+        torch.testing.assert_close(torch.stack(z["val"]), torch.stack(e["val"]), **tol)
+        assert z["val_modes"] == e["val_modes"]
+        assert z["global_step"] == e["global_step"] == 6
+        assert z["lr"] == e["lr"] == 0.1 * 0.5 ** 3  # the resumed StepLR
+        assert z["sharded_ckpt"] and not e["sharded_ckpt"]  # zinf_compile.save's directory
+        # the fresh module's compiled network was partitioned by the load, not loaded whole
+        assert z["partitioned_at_start"] == (False, True) and e["partitioned_at_start"] == (False, False)
+        assert z["params"].keys() == e["params"].keys()
+        for k, v in e["params"].items():
+            torch.testing.assert_close(z["params"][k], v, **tol, msg=lambda m: f"{k}: {m}")
+    z0, z1 = runs["zinf"]
+    assert torch.equal(z0["scale_rank"], z1["scale_rank"])  # the replicated parameter: replicas agree
+
+
+def test_zinf_strategy_refuses_wrapper_options_and_foreign_checkpoints(tmp_path):
+    """Options of the DDP wrapper it does not create, and a checkpoint file another strategy wrote, get
+    errors naming them and what to do."""
+    from zinf_compile.lightning import ZinfStrategy
+
+    with pytest.raises(TypeError, match=r"\['find_unused_parameters'\] configure the DistributedDataParallel"):
+        ZinfStrategy(find_unused_parameters=True)
+    foreign = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {}}, foreign)
+    with pytest.raises(zinf_compile.CheckpointError, match="is a file, not a directory.*load_state_dict"):
+        ZinfStrategy().load_checkpoint(foreign)
+    with pytest.raises(zinf_compile.CheckpointError, match="not found"):
+        ZinfStrategy().load_checkpoint(tmp_path / "missing")

@@ -227,3 +227,12 @@ def test_structured_trace_enabled_only_with_a_trace_folder(tmp_path):
             trace_log.removeHandler(h)
         for h in saved:
             trace_log.addHandler(h)
+
+
+def test_ddp_ignore_is_what_ddp_and_its_copies_read():
+    """The list lands where DistributedDataParallel's constructor (and Lightning's state sync) look."""
+    m = torch.nn.Linear(2, 2)
+    tc.ddp_ignore(m, ["weight"])
+    assert set(m._ddp_params_and_buffers_to_ignore) == {"weight"}
+    tc.ddp_ignore(m, [])  # a later call replaces the list
+    assert list(m._ddp_params_and_buffers_to_ignore) == []

@@ -231,3 +231,17 @@ def structured_trace_enabled() -> bool:
         return True
     return any(isinstance(h, LazyTraceHandler) and (h.root_dir is not None or h.stream is not None)
                for h in trace_log.handlers)
+
+
+def ddp_ignore(module: torch.nn.Module, names: Sequence[str]) -> None:
+    """Mark ``names`` (parameter and buffer ``state_dict`` keys of ``module``) for
+    DistributedDataParallel, and the code that copies its conventions, to leave alone.
+
+    Lightning's DDP strategy broadcasts every parameter from rank 0 before ``validate``/``test``
+    (``_sync_module_states``); it honours DDP's ignore list, which
+    ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` (private, since torch 1.8)
+    stores on the module. A partitioned parameter has no data to broadcast: each rank holds its own shard.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, list(names))
