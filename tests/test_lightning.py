@@ -23,45 +23,11 @@ import lightning.pytorch as pl  # make setup installs it (Makefile)
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import zinf_compile
-from zinf_compile.models import GPT, GPTConfig, make_batch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
+from lit_common import LitGPT, loader as _loader  # noqa: E402
 
 pytestmark = pytest.mark.parity
-
-CFG = GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4)
-
-
-class LitGPT(pl.LightningModule):
-    def __init__(self, options: dict | None) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        net = GPT(CFG)
-        self.net = net if options is None else torch.compile(net, backend="zinf", options=options)
-        self.train_losses: list = []
-        self.val_losses: list = []
-        self.val_modes: list = []
-
-    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
-        loss = self.net(*batch)
-        self.train_losses.append(loss.detach().clone())
-        return loss
-
-    def validation_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
-        self.val_modes.append(torch.is_inference_mode_enabled())
-        loss = self.net(*batch)
-        self.val_losses.append(loss.clone())
-        return loss
-
-    def configure_optimizers(self):  # type: ignore[no-untyped-def]
-        # a plain torch optimizer, as a Lightning user writes it: zinf converts it on its first step
-        opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-
-def _loader(seeds: range, batch: int) -> torch.utils.data.DataLoader:
-    xs, ys = zip(*(make_batch(CFG, batch, seed=s) for s in seeds))
-    data = torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys))
-    return torch.utils.data.DataLoader(data, batch_size=batch, shuffle=False)
 
 
 def _run(options: dict | None, root) -> tuple[LitGPT, dict]:

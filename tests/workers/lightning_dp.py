@@ -1,7 +1,8 @@
 """dp = 2 worker: a Lightning ``Trainer`` under torchrun, zinf with ``ZinfStrategy`` or eager with DDP.
 
 ``argv``: ``zinf`` or ``eager``, then a folder for checkpoints and the result file. Both modes run
-the same ``LitGPT`` (tests/test_lightning.py's module) through the same steps: fit 4 steps,
+the same ``LitReplicated`` (tests/workers/lit_common.py's ``LitGPT`` and a replicated parameter)
+through the same steps: fit 4 steps,
 validating at step 3 and saving ``last`` there and at the end; ``trainer.validate``; then a *fresh*
 module in a new Trainer resumes from ``last`` and fits to step 6 (a user's resume: nothing partitioned
 yet when the checkpoint loads). Lightning's ``DistributedSampler`` (no shuffling) gives each rank the
@@ -22,55 +23,29 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import zinf_compile
 import zinf_runtime
-from zinf_compile.models import GPT, GPTConfig, make_batch
 
-CFG = GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lit_common import LitGPT, loader  # noqa: E402
 
 
-class LitGPT(pl.LightningModule):
+class LitReplicated(LitGPT):
+    """``LitGPT`` with a parameter outside the compiled network (replicated: averaged by the optimizer's
+    hook), initialised differently on each rank (rank 0's value must win, as under DDP)."""
+
     def __init__(self, options: dict | None) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        net = GPT(CFG)
-        self.net = net if options is None else torch.compile(net, backend="zinf", options=options)
-        # a parameter outside the compiled network: replicated, averaged by the optimizer's hook
+        super().__init__(options)
         self.scale = torch.nn.Parameter(torch.ones(()) + 0.01 * torch.distributed.get_rank())
-        self.train_losses: list = []
-        self.val_losses: list = []
-        self.val_modes: list = []
 
-    def forward(self, x, y):  # type: ignore[no-untyped-def]
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.net(x, y) * self.scale
 
     def on_train_start(self) -> None:
         # before the first forward: partitioned already only if a checkpoint load partitioned them
         self.partitioned_at_start = all(zinf_runtime.handle_of(p) is not None for p in self.net.parameters())
 
-    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
-        loss = self(*batch)
-        self.train_losses.append(loss.detach().clone())
-        return loss
-
-    def validation_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
-        self.val_modes.append(torch.is_inference_mode_enabled())
-        loss = self(*batch)
-        self.val_losses.append(loss.clone())
-        return loss
-
-    def configure_optimizers(self):  # type: ignore[no-untyped-def]
-        opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-
-def _loader(seeds: range, batch: int) -> torch.utils.data.DataLoader:
-    xs, ys = zip(*(make_batch(CFG, batch, seed=s) for s in seeds))
-    data = torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys))
-    return torch.utils.data.DataLoader(data, batch_size=batch // 2, shuffle=False)  # per rank: half
-
 
 def main(mode: str, root: str) -> None:
-    dist.init_process_group("gloo")  # Lightning adopts it (LitGPT reads the rank in __init__)
+    dist.init_process_group("gloo")  # Lightning adopts it (LitReplicated reads the rank)
     rank = dist.get_rank()
     options = None if mode == "eager" else {
         "compiler": "eager", "offload_params": "nvme", "offload_optimizer": "nvme",
@@ -87,12 +62,12 @@ def main(mode: str, root: str) -> None:
                           enable_model_summary=False, enable_checkpointing=True, callbacks=[ckpt],
                           default_root_dir=root)
 
-    train, val = _loader(range(6), 4), _loader(range(100, 102), 4)
-    first = LitGPT(options)
+    train, val = loader(range(6), 4, 2), loader(range(100, 102), 4, 2)
+    first = LitReplicated(options)
     t = trainer(4, "a")
     t.fit(first, train, val)
     t.validate(first, val, verbose=False)
-    resumed = LitGPT(options)  # a fresh module, as a new process would build it
+    resumed = LitReplicated(options)  # a fresh module, as a new process would build it
     second = trainer(6, "b")
     second.fit(resumed, train, val, ckpt_path=os.path.join(root, "a", "last.ckpt"))
     full = zinf_compile.full_state_dict(resumed)  # collective
