@@ -116,7 +116,7 @@ class ZinfStrategy(DDPStrategy):
         fitting = bool(self.optimizers)
         opt = self._one_optimizer("load") if fitting and not weights_only else None
         extra = load(path, self.lightning_module, opt)
-        ckpt = dict(extra.get(_EXTRA_KEY) or {})
+        ckpt = dict(extra.get(_EXTRA_KEY) or {}) if isinstance(extra, dict) else {}
         if not ckpt:
             raise CheckpointError(f"ZinfStrategy: {path} was written by zinf_compile.save, not by a Lightning "
                                   "Trainer; load it with zinf_compile.load(path, module, optimizer) instead")
