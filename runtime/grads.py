@@ -87,10 +87,11 @@ class ShardedGrad(torch.Tensor):
                 "param.grad.full_tensor(). A DistributedDataParallel (or FSDP) wrapper around a zinf model "
                 "ends here too, its reducer writing every gradient: remove the wrapper, since zinf "
                 "reduce-scatters the gradients itself over torch.distributed's default group (option "
-                "process_group); with Lightning, Trainer(strategy=zinf_compile.lightning.ZinfStrategy()), which "
-                "runs the processes without the wrapper. The Hugging Face Trainer (through accelerate) wraps the model in "
-                "DistributedDataParallel whenever more than one process runs, which zinf does not support "
-                "yet: run the Trainer in one process, or write the training loop under torchrun.")
+                "process_group); with Lightning, pass Trainer(strategy=zinf_compile.lightning.ZinfStrategy()), "
+                "which runs the processes without the wrapper. The Hugging Face Trainer (through accelerate) "
+                "wraps the model in DistributedDataParallel whenever more than one process runs, which zinf "
+                "does not support yet: run the Trainer in one process, or write the training loop under "
+                "torchrun.")
         return func(*tree_map(_materialize, args), **tree_map(_materialize, kwargs))
 
 

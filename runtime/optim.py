@@ -523,6 +523,7 @@ def register_average_hooks(optimizer: torch.optim.Optimizer, params: List[torch.
     re-created optimizer) joins them, and one that is gone stops counting; a hook tied to the first
     optimizer alone stopped averaging once that optimizer was collected."""
     fresh = []
+    ours: Dict[int, bool] = {}  # per owner, asked once per call (a scan of its parameters)
     for p in params:
         if not p.requires_grad:
             continue
@@ -532,7 +533,7 @@ def register_average_hooks(optimizer: torch.optim.Optimizer, params: List[torch.
         if owners.handle is None:
             owners.handle = p.register_post_accumulate_grad_hook(_average_replicated)
         if optimizer not in owners.refs:
-            if not any(partitioned_group(o) is not NOT_OURS for o in list(owners.refs)):
+            if not any(ours.setdefault(id(o), partitioned_group(o) is not NOT_OURS) for o in list(owners.refs)):
                 fresh.append(p)
             owners.refs.add(optimizer)
     return fresh

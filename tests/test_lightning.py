@@ -129,8 +129,9 @@ def test_lightning_at_dp2_with_zinf_strategy_matches_ddp(tmp_path):
 
 
 def test_zinf_strategy_refuses_wrapper_options_and_foreign_checkpoints(tmp_path):
-    """Options of the DDP wrapper it does not create, and a checkpoint file another strategy wrote, get
-    errors naming them and what to do."""
+    """Options of the DDP wrapper it does not create, a checkpoint file another strategy wrote, and a
+    restricted (``weights_only``) load of its pickled Lightning state get errors naming them and what
+    to do."""
     from zinf_compile.lightning import ZinfStrategy
 
     with pytest.raises(TypeError, match=r"\['find_unused_parameters'\] configure the DistributedDataParallel"):
@@ -141,3 +142,6 @@ def test_zinf_strategy_refuses_wrapper_options_and_foreign_checkpoints(tmp_path)
         ZinfStrategy().load_checkpoint(foreign)
     with pytest.raises(zinf_compile.CheckpointError, match="not found"):
         ZinfStrategy().load_checkpoint(tmp_path / "missing")
+    zinf_compile.save(tmp_path / "zinf", torch.nn.Linear(2, 2))  # a zinf checkpoint (not Lightning's)
+    with pytest.raises(zinf_compile.CheckpointError, match="weights_only=True cannot load"):
+        ZinfStrategy().load_checkpoint(tmp_path / "zinf", weights_only=True)

@@ -113,8 +113,11 @@ class ZinfStrategy(DDPStrategy):
                 f"ZinfStrategy: {path} is {what}: this strategy reads the directories it writes "
                 "(zinf_compile.save). A checkpoint from another strategy holds full tensors: load it with "
                 "module.load_state_dict(torch.load(path)['state_dict']) before fit, without ckpt_path")
-        fitting = bool(self.optimizers)
-        opt = self._one_optimizer("load") if fitting and not weights_only else None
+        if weights_only:  # torch.load's restricted unpickler: the saved Lightning state is a pickle
+            raise CheckpointError(f"ZinfStrategy: weights_only=True cannot load {path}: its Lightning state "
+                                  "(loops, callbacks, schedulers) is stored pickled, as torch.save stores a "
+                                  "Lightning checkpoint; pass weights_only=False for a checkpoint you trust")
+        opt = self._one_optimizer("load") if self.optimizers else None  # fitting: the optimizer's shards too
         extra = load(path, self.lightning_module, opt)
         ckpt = dict(extra.get(_EXTRA_KEY) or {}) if isinstance(extra, dict) else {}
         if not ckpt:
