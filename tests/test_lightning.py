@@ -145,3 +145,14 @@ def test_zinf_strategy_refuses_wrapper_options_and_foreign_checkpoints(tmp_path)
     zinf_compile.save(tmp_path / "zinf", torch.nn.Linear(2, 2))  # a zinf checkpoint (not Lightning's)
     with pytest.raises(zinf_compile.CheckpointError, match="weights_only=True cannot load"):
         ZinfStrategy().load_checkpoint(tmp_path / "zinf", weights_only=True)
+
+
+def test_zinf_strategy_is_registered_by_name():
+    """After ``import zinf_compile.lightning``, ``strategy="zinf"`` selects it; Lightning's "ddp" stays DDP."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from zinf_compile.lightning import ZinfStrategy
+
+    kw = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    assert type(pl.Trainer(strategy="zinf", **kw).strategy) is ZinfStrategy
+    assert type(pl.Trainer(strategy="ddp", **kw).strategy) is DDPStrategy

@@ -24,7 +24,8 @@ fresh module too: its zinf-compiled parts are partitioned then, never gathered w
 like this holds no ``"state_dict"`` for ``on_load_checkpoint`` hooks; ``zinf_compile.export`` writes
 full tensors for use without zinf.
 
-Requires ``lightning`` (``lightning.pytorch``); importing this module imports it.
+Requires ``lightning`` (``lightning.pytorch``); importing this module imports it and registers the
+name: ``Trainer(strategy="zinf")`` is ``ZinfStrategy()``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 import zinf_runtime
 
@@ -66,6 +67,12 @@ class ZinfStrategy(DDPStrategy):
                             "strategy does not create (zinf reduces the gradients itself); remove them. "
                             f"It takes {list(self._PROCESS_ARGS)}")
         super().__init__(**kwargs)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """``strategy="zinf"`` (DDPStrategy's own would register its "ddp" names to this class)."""
+        strategy_registry.register("zinf", cls, description="DDP processes without the DDP wrapper: zinf "
+                                   "reduces its own gradients (zinf_compile.lightning)", override=True)
 
     # -- no wrapper -------------------------------------------------------------------------------
 
@@ -158,3 +165,6 @@ def _broadcast_unpartitioned(module: torch.nn.Module) -> None:
                 continue
             seen.add(id(t))
             dist.broadcast(t.data, src=0)
+
+
+ZinfStrategy.register_strategies(StrategyRegistry)  # Trainer(strategy="zinf") once this module is imported
