@@ -30,14 +30,15 @@ name: ``Trainer(strategy="zinf")`` is ``ZinfStrategy()``.
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 import zinf_runtime
+from zinf_runtime import comm
 
 from . import _torch_compat
 from .checkpoint import CheckpointError, checkpoint_exists, load, save
@@ -155,16 +156,14 @@ def _partitioned_names(module: torch.nn.Module) -> List[str]:
 
 
 def _broadcast_unpartitioned(module: torch.nn.Module) -> None:
-    """Rank 0's value of every parameter and buffer zinf does not hold, as DDP's constructor does."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    """Rank 0's value of every parameter and buffer zinf does not hold, as DDP's constructor does
+    (``comm.broadcast`` stages a tensor through the group's device: NCCL refuses CPU buffers)."""
+    if comm.world_size(None) == 1:  # type: ignore[arg-type]
         return
-    seen = set()
     with torch.no_grad():
-        for _, t in list(module.named_parameters()) + list(module.named_buffers()):
-            if id(t) in seen or zinf_runtime.handle_of(t) is not None:
-                continue
-            seen.add(id(t))
-            dist.broadcast(t.data, src=0)
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            if zinf_runtime.handle_of(t) is None:
+                comm.broadcast(t.data, None)  # type: ignore[arg-type]
 
 
 ZinfStrategy.register_strategies(StrategyRegistry)  # Trainer(strategy="zinf") once this module is imported
