@@ -70,6 +70,8 @@ class RuntimeContext:
         self.pool = pool if pool is not None else tiers.BufferPool()
         self.writes = writes if writes is not None else tiers.WriteTracker()
         self.dirty = tiers.DirtyTracker()  # NVMe values kept in memory unwritten (gradients; Slot.set defer)
+        # NVMe parameter values the optimizer set, kept unwritten (write-back; capped by nvme_read_cache_bytes)
+        self.kept = tiers.DirtyTracker(cap_bytes=64 << 20)
         self.read_cache = ReadCache(self.pool)  # clean NVMe reads kept for the next reader (runtime/read_cache.py)
         self._engines: Dict[Tuple[SwapConfig, int], SwapEngine] = {}
         self._lock = threading.Lock()
@@ -234,11 +236,12 @@ def io_stats(model: Any) -> Dict[str, Dict[str, float]]:
             "nvme":       {"bytes_read", "bytes_written", "reads", "writes",          # payload, requests
                            "disk_bytes", "peak_disk_bytes", "busy_s"},               # files; seconds with IO in flight
             "read_cache": {"hits", "kept", "bytes", "peak_bytes", "cap_bytes"},      # zinf_runtime.read_cache
-            "write_back": {"written_back", "bytes", "peak_bytes", "cap_bytes"}}      # gradients held unwritten
+            "write_back": {"written_back", "bytes", "peak_bytes", "cap_bytes"},     # gradients held unwritten
+            "kept_params": {"written_back", "bytes", "peak_bytes", "cap_bytes"}}    # stepped parameters held unwritten
 
     ``hits`` counts reads served from memory (no IO); ``kept`` the buffers handed in and kept (after
-    a fetch, or a parameter's written master); ``written_back`` the deferred gradients that had to
-    go to disk after all. Summed over the model's contexts; the engines' counters are payload bytes,
+    a fetch, or a parameter's written master); ``written_back`` the deferred gradients, or the
+    stepped parameters (``nvme_param_write_back``), that had to go to disk after all. Summed over the model's contexts; the engines' counters are payload bytes,
     which ``/proc/self/io`` confirms in ``benchmarks/compare.py``'s disk column."""
     ctxs = contexts_of(model)
     if not ctxs:
@@ -247,6 +250,7 @@ def io_stats(model: Any) -> Dict[str, Dict[str, float]]:
     nvme: Dict[str, float] = dict.fromkeys(_NVME_FIELDS, 0)
     cache: Dict[str, float] = dict.fromkeys(("hits", "kept", "bytes", "peak_bytes", "cap_bytes"), 0)
     back: Dict[str, float] = dict.fromkeys(("written_back", "bytes", "peak_bytes", "cap_bytes"), 0)
+    kept: Dict[str, float] = dict.fromkeys(("written_back", "bytes", "peak_bytes", "cap_bytes"), 0)
     for ctx in ctxs:
         for eng in ctx.engines():
             st = eng.stats()
@@ -259,7 +263,11 @@ def io_stats(model: Any) -> Dict[str, Dict[str, float]]:
         for k, v in (("written_back", d.written_back), ("bytes", d.bytes), ("peak_bytes", d.peak_bytes),
                      ("cap_bytes", d.cap_bytes)):
             back[k] += v
-    return {"nvme": nvme, "read_cache": cache, "write_back": back}
+        kp = ctx.kept
+        for k, v in (("written_back", kp.written_back), ("bytes", kp.bytes), ("peak_bytes", kp.peak_bytes),
+                     ("cap_bytes", kp.cap_bytes)):
+            kept[k] += v
+    return {"nvme": nvme, "read_cache": cache, "write_back": back, "kept_params": kept}
 
 
 def reset_peak_memory_stats(model: Any = None) -> None:

@@ -73,6 +73,12 @@ class Fence:
             self._events = [(e, k) for e, k in self._events if not e.query()]
         self._events.append((factory(device), keep))
 
+    def absorb(self, other: "Fence") -> None:
+        """Take over ``other``'s pending events (two readers of one buffer: wait for both)."""
+        if other is not self and other._events:
+            self._events.extend(other._events)
+            other._events = []
+
     def wait(self) -> None:
         """Block the host until every recorded device use of the buffer has finished."""
         if not self._events:

@@ -251,12 +251,19 @@ class ShardedOptimizerMixin:
                 if e is not None:  # prefetched during backward; its buffers are the step's from here
                     ov.consumed(e)  # type: ignore[union-attr]
                     handles = [h for h in (e.master_read, e.state_read) if h]
-                    master = e.master if e.master is not None else u.master.resident()
+                    if e.master is not None:
+                        master = e.master
+                    elif u.master.tier == "nvme":  # kept in memory (write-back): the prefetch left it there
+                        master, hm = u.master.take_for_update()
+                        handles += [hm] if hm is not None else []
+                    else:
+                        master = u.master.resident()
                     grad = e.grad if not e.grad_borrowed else _Borrowed(e.grad)
                     out.append((gi, u, master, grad, e.state_buf, handles))
                     continue
                 # a master in memory (store.master_home) is stepped in place: no read, no write
-                master, hm = read(u.master) if u.master.tier == "nvme" else (u.master.resident(), None)
+                # an NVMe master kept in memory (write-back) is stepped where it is, else read
+                master, hm = u.master.take_for_update() if u.master.tier == "nvme" else (u.master.resident(), None)
                 if u.grad_slot.dirty is not None:  # kept in memory (write-back): stepped from there
                     grad, hg = _Borrowed(u.grad_slot.dirty), None
                 elif u.grad_slot.present:
@@ -292,8 +299,10 @@ class ShardedOptimizerMixin:
                         if not isinstance(grad, _Borrowed):  # the slot's own value stays the slot's
                             u.grad_slot.pool.release(grad)
                         u.master_updated(master)
-                        if u.master.tier == "nvme":
-                            u.master.set(master, donate=True, recycle=True)  # buffers return once written
+                        if u.master.tier == "nvme":  # buffers return once written; with write-back, kept
+                            # in memory as the slot's value until the dirty tracker evicts it (the next
+                            # fetches read it there: no write, no read while it stays)
+                            u.master.set(master, donate=True, recycle=True, defer=u.placement.param_write_back)
                         per_el, small = split_state(self.state.pop(master, {}), u.shard_numel)
                         u.optim_small.update(small)
                         u.optim_state.store(per_el, u.context.pool, buf)  # buf (stepped in place) is written

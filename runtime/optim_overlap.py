@@ -132,6 +132,9 @@ class _PrivateWrites:
         self.pool = ctx.pool
         self.writes = tiers.WriteTracker(cap_bytes=1 << 62)
         self.dirty = tiers.DirtyTracker()  # unused: shadows are written at once
+        # a committed shadow (the unit's master from then on) keeps nothing unwritten: each stepped value is
+        # evicted, so written, as soon as it is set (write-through, as the cache below is off)
+        self.kept = tiers.DirtyTracker(cap_bytes=0)
         # off: a shadow holds a speculative value until committed, and one committed becomes the unit's
         # master with this context, so its later reads and writes are not cached
         self.read_cache = ReadCache(ctx.pool, cap_bytes=0)
@@ -232,8 +235,8 @@ class OptimizerOverlap:
         borrow = not overlap and tier == "nvme" and value is u.grad_slot.dirty
         if tier == "nvme":  # the gradient copy, the master's (read, or copied to step on) and the moments
             nbytes = 4 * numel * 2 + u.optim_state.nbytes
-            if not overlap and u.master.tier != "nvme":
-                nbytes -= 4 * numel  # a prefetch leaves a master in memory where it is (store.master_home)
+            if not overlap and (u.master.tier != "nvme" or u.master.dirty is not None):
+                nbytes -= 4 * numel  # a prefetch leaves a master in memory where it is (store.master_home, write-back)
             if borrow:
                 nbytes -= 4 * numel
         else:
@@ -260,7 +263,9 @@ class OptimizerOverlap:
             with self._lock:
                 self._jobs.append(e.job)
         else:  # prefetch (NVMe): start the reads of the master and the moments now
-            if u.master.tier == "nvme":  # else the step uses the master in memory as it is
+            # else the step uses the master in memory as it is: a memory tier, or an NVMe master the
+            # last step kept in memory (write-back; ``Slot.take_for_update`` at the step)
+            if u.master.tier == "nvme" and u.master.dirty is None:
                 e.master, e.master_read = u.master.read_owned()  # backward's fetch may have left it cached
             if u.optim_state.present:
                 e.state_buf, e.state_read = u.optim_state.read_async(pool)

@@ -15,6 +15,12 @@ the optimizer's write of a master once the disk has it (write-through)::
              backward  cache[u7] -> buf -> upload -> cache[u7]           (no IO, if still cached)
              step      cache[u7] -> buf -> AdamW -> write u7 -> cache[u7] (write-through, once written)
 
+With ``nvme_param_write_back`` (the default) the step's write does not happen while the stepped
+value fits its own cap: the slot keeps the value itself (``tiers.Slot``'s write-back, ``ctx.kept``)
+and fetches borrow it, so such a parameter never passes through this cache. The cache serves the
+parameters past that cap, whose evicted values are written (and then kept here), and every
+parameter with ``nvme_param_write_back=False``.
+
 A buffer is kept only if its slot was not written while it was read (``Slot.version``); a write or
 a drop of the slot discards it, and a parameter slot's own write puts the written buffer back once
 the disk has it (``Slot.flush``; a failed write keeps nothing), so a cached value always equals the

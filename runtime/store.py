@@ -58,6 +58,7 @@ class Placement:
     partition: str = "bandwidth"  # "bandwidth": 1/dp per rank; "broadcast": one owner (runtime/broadcast.py)
     nvme_min_bytes: int = 0  # a parameter whose fp32 shard is smaller stays in CPU memory (``for_numel``)
     read_cache_bytes: int = read_cache.DEFAULT_CAP_BYTES  # NVMe parameter reads kept for re-reads (read_cache.py)
+    param_write_back: bool = True  # the optimizer's NVMe parameter writes kept in memory until evicted (tiers.DirtyTracker)
     context: Optional[RuntimeContext] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -172,6 +173,8 @@ class ParamHandle:
         self.param_copy: Optional[tiers.Slot] = None if shared else self._slot(pl.tier, "param", dtype, "param")
         if (self.param_copy or self.master).tier == "nvme":
             self.context.read_cache.cap_bytes = pl.read_cache_bytes
+        if "nvme" in (self.master.tier, (self.param_copy or self.master).tier):
+            self.context.kept.cap_bytes = pl.read_cache_bytes  # stepped parameters kept unwritten (write-back)
         self.grad_slot: tiers.Slot = self._slot(pl.master_tier, "grad", torch.float32, "grad")
         if self.grad_slot.tier == "nvme":  # NVMe gradients kept in memory: up to what the optimizer streams
             self.context.dirty.cap_bytes = pl.sub_group_bytes
@@ -283,18 +286,21 @@ class ParamHandle:
 
     def master_updated(self, value: Optional[torch.Tensor] = None) -> None:
         """After the optimizer changed the master (``value``, if the caller has it in memory): drop
-        compute copies, refresh the parameter copy."""
+        compute copies, refresh the parameter copy (an NVMe one kept in memory until evicted, as the
+        optimizer's master is: ``Placement.param_write_back``)."""
         for t in self.tiles or ():
             t.master_updated()
         self.state_version += 1
         self._drop_compute()
         if self.param_copy is not None and self.master is not None:
-            self._refresh_param_copy(value if value is not None else self.master.get())
+            self._refresh_param_copy(value if value is not None else self.master.get(),
+                                     defer=self.placement.param_write_back)
 
-    def _refresh_param_copy(self, master: torch.Tensor) -> None:
+    def _refresh_param_copy(self, master: torch.Tensor, defer: bool = False) -> None:
         if self.param_copy is not None:
             copy = master.to(self.param_copy.dtype)
-            self.param_copy.set(copy, donate=copy.data_ptr() != master.data_ptr())
+            owned = copy.data_ptr() != master.data_ptr()
+            self.param_copy.set(copy, donate=owned, defer=defer and self.param_copy.tier == "nvme")
 
     def _drop_compute(self) -> None:
         tier = (self.param_copy or self.master).tier if (self.param_copy or self.master) else "device"

@@ -5,7 +5,8 @@ the same code serves every combination of ``offload_params`` and ``offload_optim
 
     memory tier:  slot.get() -> the resident tensor (mutable in place); slot.set(t) copies into it
     nvme tier:    slot.get() -> a fresh CPU tensor read from disk;      slot.set(t) writes a new version
-                  slot.set(t, defer=True) keeps t in host memory, written only if evicted (write-back)
+                  slot.set(t, defer=True) keeps t in host memory, written only if evicted (write-back);
+                  a fetch reads that value where it is (``read_owned(keep=True)`` lends it, no copy)
 
 A slot belongs to one model's ``RuntimeContext`` (``zinf_runtime.context``): its bytes are counted
 in that model's accounting, its NVMe IO goes through that context's swap engine (one per settings
@@ -272,6 +273,23 @@ pool = BufferPool()  # the default context's pool (direct runtime users)
 _default_writes = WriteTracker()
 
 
+class _Lend:
+    """A slot's write-back value lent to fetches (``Slot.read_owned(keep=True)``), by its buffer.
+
+    Why it is counted: a fetch reads the value where it is instead of copying it, and may still
+    be reading it (a carried read, a side-stream upload on CUDA) when the slot lets go of it (a new
+    value replaced it, or it was written back). The buffer goes to the read cache or the pool only
+    once the last borrower handed it back, after the device work its fences record."""
+
+    __slots__ = ("buf", "count", "fence", "pooled")
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.count = 0  # fetches that have it and have not handed it back
+        self.fence = hostsync.Fence()  # device work of those fetches still reading it (CUDA)
+        self.pooled: Optional[bool] = None  # set once the slot let go: whether it goes to the pool then
+
+
 @dataclass(eq=False)
 class Slot:
     """A 1-D tensor of ``numel`` x ``dtype`` on ``tier``; see the module docstring.
@@ -298,7 +316,10 @@ class Slot:
         self._mem: Optional[torch.Tensor] = None
         self._written = False
         self._pending: Optional[SwapHandle] = None
-        self._pending_buffer: Optional[torch.Tensor] = None  # a pool buffer the pending write reads
+        self._pending_buffer: Optional[torch.Tensor] = None  # the buffer the pending write reads
+        self._pending_pooled = False  # ... a pool buffer: back to the pool (or the read cache) once written
+        self._pending_deferred = False  # ... a write-back value evicted: kept in memory again if the write fails
+        self._lent: Dict[int, _Lend] = {}  # the write-back value as fetches borrow it, by data_ptr
         self._dirty: Optional[torch.Tensor] = None  # write-back: the value in host memory, not on disk yet
         self._dirty_pooled = False  # _dirty is a pool buffer: back to the pool when discarded or written
         self.fence = hostsync.Fence()  # device work in flight on _mem
@@ -309,6 +330,14 @@ class Slot:
     @property
     def accounting(self) -> accounting.Accounting:
         return self.ctx.accounting
+
+    @property
+    def _tracker(self) -> "DirtyTracker":
+        """Where this slot's write-back value is counted: a parameter's (its stepped master or copy,
+        ``ctx.kept``, capped by ``nvme_read_cache_bytes``) apart from a gradient's (``ctx.dirty``,
+        capped by ``optimizer_sub_group_bytes``). Why apart: a stepped master evicted a consumed
+        gradient from a shared cap, writing bytes that ``zero_grad`` drops next."""
+        return self.ctx.kept if self.kind == "param" else self.ctx.dirty
 
     @property
     def pool(self) -> BufferPool:
@@ -388,7 +417,20 @@ class Slot:
         self.ctx.read_cache.drop(self)  # after the version bump (ReadCache.put checks it)
         self.flush()  # one write in flight per slot: its buffer is recycled before the next
         data = value.detach().reshape(-1)
-        if donate and data.device.type == "cpu" and data.dtype == self.dtype:
+        if self._dirty is not None and data.data_ptr() == self._dirty.data_ptr():
+            # the write-back value itself, updated in place (``take_for_update``): kept, not recycled
+            data, pooled = self._dirty, self._dirty_pooled
+            self._dirty = None
+            self._tracker.untrack(self)
+            if defer:
+                self._dirty, self._dirty_pooled = data, pooled
+                self._tracker.track(self)
+            else:
+                self._write(data, pooled)
+            return
+        # a value kept in memory for fetches to upload must be pinned where they upload from pinned memory
+        unpinned_kept = defer and self.pin and not data.is_pinned()
+        if donate and data.device.type == "cpu" and data.dtype == self.dtype and not unpinned_kept:
             # written from the caller's memory (or reshape's private copy, which is not recycled)
             pooled = recycle and data.data_ptr() == value.data_ptr()
         else:
@@ -402,12 +444,12 @@ class Slot:
         self._discard_dirty()
         if defer:
             self._dirty, self._dirty_pooled = data, pooled
-            self.ctx.dirty.track(self)
+            self._tracker.track(self)
             return
         self._write(data, pooled)
 
-    def _write(self, data: torch.Tensor, pooled: bool) -> None:
-        self._pending_buffer = data if pooled else None
+    def _write(self, data: torch.Tensor, pooled: bool, deferred: bool = False) -> None:
+        self._pending_buffer, self._pending_pooled, self._pending_deferred = data, pooled, deferred
         self._pending_version = self.version
         self._pending = self.swap.write(self.key, data)
         self._written = True
@@ -417,16 +459,35 @@ class Slot:
         """Start writing the deferred value (the dirty tracker evicts it); a no-op without one."""
         data, pooled = self._dirty, self._dirty_pooled
         self._dirty = None
-        self.ctx.dirty.untrack(self)
+        self._tracker.untrack(self)
         if data is not None:
-            self._write(data, pooled)
+            self._write(data, pooled, deferred=True)
 
     def _discard_dirty(self) -> None:
         data, pooled = self._dirty, self._dirty_pooled
         self._dirty = None
-        self.ctx.dirty.untrack(self)
-        if data is not None and pooled:
-            self.pool.release(data)
+        self._tracker.untrack(self)
+        if data is not None:
+            self._let_go(data, pooled)
+
+    def _let_go(self, buf: torch.Tensor, pooled: bool, cache_version: Optional[int] = None) -> None:
+        """The slot no longer holds ``buf`` (a replaced or written value): it goes to the read cache
+        as the slot's clean copy (``cache_version``: the version it holds), else to the pool if
+        ``pooled``, but only once every fetch it was lent to handed it back (``keep_read``)."""
+        lend = self._lent.get(buf.data_ptr()) if self._lent else None
+        fence = None
+        if lend is not None:
+            if lend.count > 0:
+                lend.pooled = pooled  # the last borrower gives it to the pool (a newer value may be cached by then)
+                return
+            del self._lent[buf.data_ptr()]
+            fence = lend.fence
+        if cache_version is not None and self.ctx.read_cache.put(self, buf, fence, cache_version):
+            return
+        if pooled:
+            self.pool.release(buf, fence)
+        elif fence is not None:
+            fence.wait()  # not ours to recycle; device work may still read it
 
     def get(self) -> torch.Tensor:
         """The value: the resident tensor, or a fresh CPU tensor read from disk."""
@@ -475,6 +536,12 @@ class Slot:
         does not change; the cache saves the re-reads (``zinf_runtime.read_cache``)."""
         if self.tier == "nvme":
             self.flush()  # a finished write leaves its value in the cache; a failed one raises here
+            if keep and self._dirty is not None:  # the write-back value, lent where it is: a fetch only reads it
+                lend = self._lent.get(self._dirty.data_ptr())
+                if lend is None:
+                    lend = self._lent[self._dirty.data_ptr()] = _Lend(self._dirty)
+                lend.count += 1
+                return self._dirty, None
         version = self.version
         buf = self.ctx.read_cache.take(self)
         handle = None
@@ -488,10 +555,43 @@ class Slot:
             self._reads[buf.data_ptr()] = version
         return buf, handle
 
+    def take_for_update(self) -> Tuple[torch.Tensor, Optional[SwapHandle]]:
+        """NVMe: the value in a buffer the caller changes in place and hands back with
+        ``set(buf, donate=True, recycle=True, ...)`` (the optimizer's master). A write-back value is
+        handed over itself, with no copy, unless a fetch still holds it; it stays the slot's value,
+        out of the dirty tracker (never evicted half-updated) until that ``set``. Otherwise as
+        ``read_owned()``: the read cache's copy or a read into a new pool buffer.
+
+        Why: with write-back (``Placement.param_write_back``) the master a step produced is the one
+        the next step updates; copying it out first cost a memcpy of every master byte per step."""
+        data = self._dirty
+        if self.tier == "nvme" and data is not None:
+            lend = self._lent.get(data.data_ptr())
+            if lend is None or lend.count == 0:
+                if lend is not None:
+                    lend.fence.wait()  # device copies that read it are done before the host writes it
+                self._tracker.untrack(self)
+                return data, None
+        return self.read_owned()
+
     def keep_read(self, buf: torch.Tensor, fence: Optional[hostsync.Fence] = None) -> None:
         """Done with a buffer from ``read_owned(keep=True)``, unchanged (``fence``: device work still
         reading it): it becomes the read cache's copy of this slot, unless the slot was written or
-        dropped since that read started (then, or when the cache refuses it, it goes to the pool)."""
+        dropped since that read started (then, or when the cache refuses it, it goes to the pool).
+        A lent write-back value goes back to the slot (or, if the slot let go of it meanwhile, to the
+        pool once no other fetch reads it)."""
+        lend = self._lent.get(buf.data_ptr()) if self._lent else None
+        if lend is not None and lend.count > 0:
+            lend.count -= 1
+            if fence is not None:
+                lend.fence.absorb(fence)
+            if lend.count == 0 and lend.pooled is not None:  # the slot let go of it while it was out
+                del self._lent[buf.data_ptr()]
+                if lend.pooled:
+                    self.pool.release(buf, lend.fence)
+                else:
+                    lend.fence.wait()
+            return
         version = self._reads.pop(buf.data_ptr(), None)
         if version is None or not self.ctx.read_cache.put(self, buf, fence, version):
             self.pool.release(buf, fence)
@@ -505,19 +605,38 @@ class Slot:
             self.ctx.writes.untrack(self)
             try:
                 h.wait()
-                buf, self._pending_buffer = self._pending_buffer, None
+            except Exception:
+                restored = self._keep_failed_write_back()
+                if self._written and not self.swap.exists(self.key):  # no earlier version survives
+                    self._written = False
+                    if not restored:
+                        self.accounting.sub("nvme", self.kind, self.nbytes)
+                raise
+            buf, self._pending_buffer = self._pending_buffer, None
+            if buf is not None:
                 # a parameter's written value stays as its clean copy for the next fetch (write-through,
                 # zinf_runtime.read_cache); anything else, a copy the cache refuses, or a pageable one
                 # where fetches upload from pinned memory (a value set from outside the optimizer: a
                 # checkpoint load), goes to the pool
-                if buf is not None and not (self.kind == "param" and (not self.pin or buf.is_pinned())
-                                            and self.ctx.read_cache.put(self, buf, None, self._pending_version)):
-                    self.pool.release(buf)
-            except Exception:
-                if self._written and not self.swap.exists(self.key):  # no earlier version survives
-                    self._written = False
-                    self.accounting.sub("nvme", self.kind, self.nbytes)
-                raise
+                cacheable = self._pending_pooled and self.kind == "param" and (not self.pin or buf.is_pinned())
+                self._let_go(buf, self._pending_pooled, self._pending_version if cacheable else None)
+
+    def _keep_failed_write_back(self) -> bool:
+        """A write-back value whose write failed (a full disk) is the slot's value again, held in
+        memory as before its eviction, so the error loses nothing; True if so. It stays out of the
+        dirty tracker (over its cap, until the value is replaced or dropped): tracked, it would be
+        evicted again at once, into the same full disk, and fail some unrelated later access. Any
+        other failed write leaves the slot's previous version (the file not overwritten) and the
+        caller's error."""
+        buf, self._pending_buffer = self._pending_buffer, None
+        if buf is None:
+            return False
+        if not self._pending_deferred or self._dirty is not None or self.version != self._pending_version:
+            if self._pending_pooled:
+                self._let_go(buf, True)
+            return False
+        self._dirty, self._dirty_pooled = buf, self._pending_pooled
+        return True
 
     def drop(self, keep_file: bool = False) -> None:
         """Free the slot's memory or file (after device work still using the memory). ``keep_file``: the
@@ -533,6 +652,12 @@ class Slot:
         if self._dirty is not None and not self._written:  # deferred, never written: nothing on disk
             self.accounting.sub("nvme", self.kind, self.nbytes)
         self._discard_dirty()
+        for ptr, lend in list(self._lent.items()):  # fetches still holding a lent value drop it when done
+            if lend.count == 0:
+                del self._lent[ptr]
+                lend.fence.wait()
+            else:
+                lend.pooled = False
         if self._written:
             self._pending = None
             self._pending_buffer = None

@@ -26,7 +26,8 @@ def _train(tmp, options: dict, between: Optional[Callable[[torch.nn.Module, int]
     torch.manual_seed(0)
     model = GPT(CFG)
     opts = {"compiler": "eager", "offload_params": "nvme", "offload_optimizer": "nvme", "nvme_path": str(tmp),
-            "nvme_read_cache_bytes": 0, **options}  # every fetch reads the disk: the reads carry
+            "nvme_read_cache_bytes": 0, "nvme_param_write_back": False,
+            **options}  # every fetch reads the disk: the reads carry
     cm = torch.compile(model, backend="zinf", options=opts)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
@@ -113,7 +114,8 @@ def _train_broken(tmp, options: dict, steps: int = 4, evals: int = 0):
     torch.manual_seed(0)
     model = _Broken()
     opts = {"compiler": "eager", "offload_params": "nvme", "offload_optimizer": "nvme", "nvme_path": str(tmp),
-            "nvme_read_cache_bytes": 0, **options}  # every fetch reads the disk: the reads carry
+            "nvme_read_cache_bytes": 0, "nvme_param_write_back": False,
+            **options}  # every fetch reads the disk: the reads carry
     cm = torch.compile(model, backend="zinf", options=opts)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     gen = torch.Generator().manual_seed(1)
@@ -150,6 +152,18 @@ def test_reads_are_carried_across_graph_breaks_in_forward_and_backward(tmp_path)
     assert carry.target((a, "backward")) is None  # never across the optimizer step
     # steps 2..4 each carry into B fwd, C fwd, B bwd and A bwd (4 crossings), every read adopted
     assert c["across_graphs"] >= 3 * 4 and c["adopted"] == c["carried"] and c["stale"] == 0, c
+
+
+def test_kept_values_leave_nothing_to_carry_and_train_as_a_run_that_carries_nothing(tmp_path):
+    """Write-back: the values the last step kept in memory need no read, so a graph's end finds
+    nothing to carry for the next graph (its look-ahead borrows each kept value and hands it straight
+    back, ``runtime/carry.py``); the numbers are those of a run that carries nothing."""
+    kept = {"nvme_param_write_back": True, "nvme_read_cache_bytes": 64 << 20}  # the cap of kept values
+    ref = _train_broken(tmp_path / "ref", {"disabled_passes": ("carry",), **kept})
+    run = _train_broken(tmp_path / "run", kept)
+    _same(ref, run)
+    c = run[2]
+    assert c["across_graphs"] == 0 and c["stale"] == 0, c
 
 
 def test_an_eval_loop_carries_across_its_graphs(tmp_path):

@@ -8,9 +8,13 @@ already on disk lost. Where the failure lands decides what state remains (README
   test sets the cap under one gradient so every gradient is written): ``optimizer.step()`` raises
   before it changes anything, so the model is exactly as before the step; after freeing space, ``zero_grad()`` and redoing the step trains on as if
   nothing happened;
-* a master-weight write during ``optimizer.step()``: every parameter is either stepped or, for those
-  whose write failed, at its value before the step (each swap file is replaced atomically, never torn);
-  the step is partially applied, so the run restarts from its last checkpoint.
+* a master-weight write during ``optimizer.step()`` (write-through, ``nvme_param_write_back=False``):
+  every parameter is either stepped or, for those whose write failed, at its value before the step
+  (each swap file is replaced atomically, never torn); the step is partially applied, so the run
+  restarts from its last checkpoint;
+* the write of a stepped master kept in memory (write-back, the default) when the cap evicts it: the
+  value stays in memory as the parameter's, the error is raised, and after freeing space training
+  goes on as if nothing happened.
 """
 
 from __future__ import annotations
@@ -111,7 +115,7 @@ def test_disk_full_writing_gradients_loses_nothing_and_training_resumes(tmp_path
 
 def test_disk_full_writing_masters_leaves_each_parameter_whole(tmp_path, disk_full):
     want = eager_states(2)
-    model, cmodel, opt = setup(tmp_path)
+    model, cmodel, opt = setup(tmp_path, nvme_param_write_back=False)  # every step writes every master
     step_of(model, cmodel, opt, 0)
     cmodel(batch(1)).pow(2).sum().backward()
     disk_full.update(kind="master", limit=1)  # one master write fails: the others of the step land
@@ -126,3 +130,29 @@ def test_disk_full_writing_masters_leaves_each_parameter_whole(tmp_path, disk_fu
         assert before or after, f"{k}: neither its value before nor after the step (a torn write)"
         if k == failed:
             assert before and not after, k  # its write failed: the file kept the pre-step version
+
+
+def test_disk_full_writing_back_a_kept_master_loses_nothing(tmp_path, disk_full):
+    """Write-back: a cap under one master (``nvme_read_cache_bytes``) evicts every kept master as
+    soon as the step sets it, so each is written; the first of those writes fails. The step raises
+    naming it, the value stays in memory as the parameter's, and training goes on to eager's numbers
+    once space is freed."""
+    want = eager_states(4)
+    model, cmodel, opt = setup(tmp_path, nvme_read_cache_bytes=256)
+    step_of(model, cmodel, opt, 0)
+    cmodel(batch(1)).pow(2).sum().backward()
+    disk_full.update(kind="master", limit=1)
+    with pytest.raises(SwapSpaceError) as ei:
+        opt.step()
+    assert disk_full["failed"] == 1
+    check_message(ei.value, tmp_path, "master")
+    disk_full["kind"] = None
+    full = zinf_compile.full_state_dict(model)
+    for k, v in want[2].items():  # every parameter stepped, the one whose write failed too
+        torch.testing.assert_close(full[k], v, rtol=RTOL, atol=ATOL, msg=lambda m: f"{k}: {m}")
+    opt.zero_grad()
+    step_of(model, cmodel, opt, 2)
+    step_of(model, cmodel, opt, 3)
+    full = zinf_compile.full_state_dict(model)
+    for k, v in want[4].items():
+        torch.testing.assert_close(full[k], v, rtol=RTOL, atol=ATOL, msg=lambda m: f"{k}: {m}")

@@ -68,6 +68,16 @@ class Config:
         the next fetch or master read finds them instead of reading the file
         (``zinf_runtime.read_cache``). Oldest out first; 0 turns it off; a shard larger than this is
         never kept. Default 64 MiB per rank and model.
+    nvme_param_write_back: with parameters on NVMe, the optimizer's stepped parameters (the fp32
+        master, and the parameter copy of a bf16/fp16 model) stay in host memory as the parameter's
+        value instead of being written every step; the next forward and backward fetch them there,
+        and one is written only when the write-back cap evicts it (``optimizer_sub_group_bytes``,
+        shared with the gradients kept for the step; oldest first). Why: a parameter file rewritten
+        every step, and read back by the next forward, costs a write per step and the IO threads'
+        CPU for bytes that are still in memory; DeepSpeed keeps its parameters in CPU memory up to
+        ``max_in_cpu`` for the same reason. A full disk on an eviction's write keeps the value in
+        memory and raises at the next access of the parameter. ``False``: every step writes them
+        (write-through; the read cache then keeps the written copies).
     mixed_precision: ``None`` trains in the model's dtype; ``"bf16"``/``"fp16"`` run the model as under
         ``torch.autocast`` with that dtype, all-gathering parameters in it where every use is a cast,
         while master weights, gradient shards and optimizer state stay fp32.
@@ -153,6 +163,7 @@ class Config:
     optimizer_sub_group_bytes: int = 256 << 20
     nvme_min_shard_bytes: int = 0
     nvme_read_cache_bytes: int = 64 << 20
+    nvme_param_write_back: bool = True
     mixed_precision: Optional[str] = None
     dump_dir: Optional[str] = field(default_factory=lambda: os.environ.get("ZINF_DUMP_DIR") or None)
     pass_code: bool = False
@@ -235,7 +246,7 @@ class Config:
             raise ValueError(f"zinf option 'bucket_bytes': {self.bucket_bytes!r} is over max_inflight_bytes "
                              f"({self.max_inflight_bytes!r}); a bucket's members are all in flight at once, so "
                              "make it at most the cap")
-        for key in ("optimizer_prefetch", "overlap_optimizer_step", "pass_code"):
+        for key in ("optimizer_prefetch", "overlap_optimizer_step", "pass_code", "nvme_param_write_back"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"zinf option {key!r}: expected True or False, got {getattr(self, key)!r}")
         if self.trace is not None and not isinstance(self.trace, (str, os.PathLike)):
@@ -280,7 +291,7 @@ class Config:
             optim_tier=TIER_OF[self.offload_optimizer], swap=self.swap_config(),
             sub_group_bytes=self.optimizer_sub_group_bytes, partition=self.partition,
             nvme_min_bytes=self.nvme_min_shard_bytes, read_cache_bytes=self.nvme_read_cache_bytes,
-            context=context)
+            param_write_back=self.nvme_param_write_back, context=context)
 
     def swap_config(self) -> Any:
         """The runtime's swap settings (None without an NVMe tier)."""
