@@ -315,18 +315,23 @@ def test_plan_matches_the_runtime_under_inductor(tmp_path):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("write_back", [True, False])
 @pytest.mark.parametrize("cap", ["default", "tiny"])
-def test_nvme_plan_counts_files_on_nvme_and_host_buffers_on_cpu(cap, tmp_path):
+def test_nvme_plan_counts_files_on_nvme_and_host_buffers_on_cpu(cap, write_back, tmp_path):
     """offload nvme/nvme: every shard is a file, so its bytes are on the nvme tier (as the runtime
     accounts them; with the 4 KiB padding, as the swap folder holds them), and only the host buffers
-    of the IO and Adam's in-memory step counters are on cpu. Gradients are the exception on disk:
-    kept in host memory while they fit under ``optimizer_sub_group_bytes`` (write-back, the
-    default's case here), they have no file; under a tiny cap every one is written, with its files."""
+    of the IO, the values kept in memory and Adam's in-memory step counters are on cpu. Gradients are
+    the exception on disk: kept in host memory while they fit under ``optimizer_sub_group_bytes``
+    (write-back, the default's case here), they have no file; under a tiny cap every one is written,
+    with its files. Masters likewise: the steps keep them in memory (``nvme_param_write_back``), so
+    each keeps the one file partitioning wrote; written through, each has two."""
     model, x, y = _fresh_model(tmp_path)
-    opts = {"offload_params": "nvme", "offload_optimizer": "nvme", "nvme_path": str(tmp_path / "run")}
+    opts = {"offload_params": "nvme", "offload_optimizer": "nvme", "nvme_path": str(tmp_path / "run"),
+            "nvme_param_write_back": write_back}
     if cap == "tiny":
         opts["optimizer_sub_group_bytes"] = 256
     g = 0 if cap == "default" else 1  # files per gradient once written
+    m = 1 if write_back else 2  # files per master in steady training
     plan = zinf_compile.memory_plan(model, (x, y), optimizer="adamw", **{**opts, "nvme_path": str(tmp_path / "plan")})
     params = list(model.parameters())
     fp32 = sum(p.numel() * 4 for p in params)
@@ -336,15 +341,19 @@ def test_nvme_plan_counts_files_on_nvme_and_host_buffers_on_cpu(cap, tmp_path):
     assert plan.peak("cpu", "optim") == 4 * len(params)  # one fp32 ``step`` per parameter, in memory
     assert plan.peak("device", "param") == plan.peak("device", "grad") == 0
     assert plan.peak("cpu", "staging") > 0  # reads land in host buffers; writes send host copies
-    assert all(iv.role in ("read_buffer", "read_cache", "write_buffer") for iv in plan.intervals
+    assert all(iv.role in ("read_buffer", "read_cache", "write_buffer", "kept") for iv in plan.intervals
                if iv.kind == "staging")
-    # fetched shards the read cache keeps (zinf_runtime.read_cache): never more than its cap at once
     cached = [iv for iv in plan.intervals if iv.role == "read_cache"]
-    live = [sum(iv.nbytes for iv in cached if iv.start <= i <= iv.end) for i in range(len(plan.steps))]
-    assert cached and 0 < max(live) <= zinf_compile.Config().nvme_read_cache_bytes
+    kept = [iv for iv in plan.intervals if iv.role == "kept"]
+    if write_back:  # every master fits the cap: kept the whole step, so nothing is read or cached
+        assert sum(iv.nbytes for iv in kept) == fp32 and all(iv.start == 0 for iv in kept)
+        assert not cached and not [iv for iv in plan.intervals if iv.role == "read_buffer"]
+    else:  # fetched shards the read cache keeps (zinf_runtime.read_cache): never more than its cap at once
+        live = [sum(iv.nbytes for iv in cached if iv.start <= i <= iv.end) for i in range(len(plan.steps))]
+        assert not kept and cached and 0 < max(live) <= zinf_compile.Config().nvme_read_cache_bytes
     pad = lambda n: -(-n // 4096) * 4096  # noqa: E731
-    # steady training: master, gradient (if written) and the packed moments each in two files (the spare)
-    assert plan.nvme_file_bytes() == sum((2 + 2 * g) * pad(p.numel() * 4) + 2 * pad(p.numel() * 8) for p in params)
+    # steady training: gradient (if written) and the packed moments each in two files (the spare), the master in m
+    assert plan.nvme_file_bytes() == sum((m + 2 * g) * pad(p.numel() * 4) + 2 * pad(p.numel() * 8) for p in params)
 
     before = _shard_bytes()
     cm = torch.compile(model, backend="zinf", options={"compiler": "eager", **opts})
@@ -358,17 +367,17 @@ def test_nvme_plan_counts_files_on_nvme_and_host_buffers_on_cpu(cap, tmp_path):
     assert after[("cpu", "param")] == before[("cpu", "param")]
     assert after[("cpu", "grad")] == before[("cpu", "grad")]
     files = _swap_files(str(tmp_path / "run"))  # a measurement: what is on disk
-    assert len(files) == (3 + g) * len(params)  # one step: only the master was rewritten (written at partition)
+    assert len(files) == (m + 1 + g) * len(params)  # one step: the moments' first file, the master's second if rewritten
     cm(x, y).backward()  # accumulated: the gradient is rewritten too
     opt.step()  # the second step: every key rewritten once at least, so each has its spare
     files = _swap_files(str(tmp_path / "run"))
-    assert len(files) == (4 + 2 * g) * len(params)
+    assert len(files) == (m + 2 + 2 * g) * len(params)
     assert sum(files.values()) == plan.nvme_file_bytes()  # the plan's steady state is this peak
     opt.zero_grad()  # a gradient's file stays for the next backward to overwrite; its spare goes
     cm(x, y).backward()
     opt.step()
     files = _swap_files(str(tmp_path / "run"))
-    assert len(files) == (4 + g) * len(params) and sum(files.values()) <= plan.nvme_file_bytes()
+    assert len(files) == (m + 2 + g) * len(params) and sum(files.values()) <= plan.nvme_file_bytes()
     del cm, opt
     torch._dynamo.reset()
 
@@ -376,7 +385,8 @@ def test_nvme_plan_counts_files_on_nvme_and_host_buffers_on_cpu(cap, tmp_path):
 def test_small_shards_stay_in_cpu_memory_in_plan_and_on_disk(tmp_path):
     """``nvme_min_shard_bytes``: parameters whose fp32 shard is under it (norms, biases) keep their
     states in CPU memory, the others in files; the plan says so and the swap folder holds exactly
-    the big ones' files (two per key: ``nvme_reuse_files``' spare)."""
+    the big ones' files (two per key rewritten every step: ``nvme_reuse_files``' spare; one per
+    master, which the steps keep in memory: ``nvme_param_write_back``)."""
     model, x, y = _fresh_model(tmp_path)
     opts = {"offload_params": "nvme", "offload_optimizer": "nvme", "nvme_path": str(tmp_path / "run"),
             "nvme_min_shard_bytes": 1024}
@@ -389,8 +399,9 @@ def test_small_shards_stay_in_cpu_memory_in_plan_and_on_disk(tmp_path):
     assert plan.peak("cpu", "param") == sum(p.numel() * 4 for p in small)
     assert plan.peak("cpu", "optim") == sum(p.numel() * 8 for p in small) + 4 * len(params)  # + Adam's steps
     pad = lambda n: -(-n // 4096) * 4096  # noqa: E731
-    # master and packed moments, two files each; the gradients stay in memory (write-back, under the cap)
-    assert plan.nvme_file_bytes() == sum(2 * pad(p.numel() * 4) + 2 * pad(p.numel() * 8) for p in big)
+    # packed moments two files each, the master one (kept in memory: never rewritten while it fits);
+    # the gradients stay in memory (write-back, under the cap)
+    assert plan.nvme_file_bytes() == sum(pad(p.numel() * 4) + 2 * pad(p.numel() * 8) for p in big)
 
     cm = torch.compile(model, backend="zinf", options={"compiler": "eager", **opts})
     opt = zinf_compile.optim.AdamW(model.parameters(), lr=1e-3)
@@ -398,7 +409,7 @@ def test_small_shards_stay_in_cpu_memory_in_plan_and_on_disk(tmp_path):
         cm(x, y).backward()
         opt.step()
     files = _swap_files(str(tmp_path / "run"))
-    assert len(files) == 4 * len(big)
+    assert len(files) == 3 * len(big)
     assert sum(files.values()) == plan.nvme_file_bytes()
     tiers = {(p.numel() * 4 < 1024, zinf_runtime.handle_of(p).placement.tier,
               zinf_runtime.handle_of(p).placement.master_tier) for p in params}
@@ -420,12 +431,12 @@ def test_carried_reads_are_live_from_the_previous_stage_end(tmp_path):
                                         offload_optimizer="nvme", nvme_path=str(folder), **options)
         return plan, [iv for iv in plan.intervals if iv.role == "read_buffer" and iv.name.startswith("backward:")]
 
-    plan, bufs = read_buffers({})
+    plan, bufs = read_buffers({"nvme_param_write_back": False})  # every fetch reads (write-back: none)
     (_, _, fwd_end), (_, bwd_start, _) = [r for r in plan.stage_ranges()][:2]
     carried = [iv for iv in bufs if iv.start < bwd_start]
     assert carried and all(iv.start == fwd_end for iv in carried), [(iv.name, iv.start) for iv in bufs]
     assert len(carried) < len(bufs)  # only the heads: the later reads start inside the backward
-    plain, bufs = read_buffers({"disabled_passes": ("carry",)})
+    plain, bufs = read_buffers({"disabled_passes": ("carry",), "nvme_param_write_back": False})
     (_, _, _), (_, bwd_start, _) = [r for r in plain.stage_ranges()][:2]
     assert bufs and all(iv.start >= bwd_start for iv in bufs)
 

@@ -43,6 +43,11 @@ holds), never on ``cpu``. What NVMe IO needs in host memory is the ``cpu`` tier'
                                        its reduce_grad to the end of the step (the runtime also caps the
                                        bytes in flight, ZINF_NVME_WRITE_INFLIGHT, so for big models this
                                        is an upper bound)
+                         kept:         a stepped parameter the last optimizer step kept in memory as its
+                                       value (``nvme_param_write_back``), the whole step: the newest up to
+                                       ``nvme_read_cache_bytes``, in the order the step set them (taken as
+                                       the fetch order); its fetches read it there (no read buffer, no
+                                       cached copy) and its file is not rewritten
     cpu     optim        scalar: Adam's ``step`` per parameter, kept in memory beside NVMe moments
 
 Summing the intervals live at each step gives bytes per tier and kind
@@ -153,6 +158,26 @@ def _deferred_grads(ivs: List["Interval"], cap: int) -> set:
         while held > cap and kept:
             held -= kept.pop(0).nbytes
     return {iv.param for iv in kept if iv.param is not None}
+
+
+def _kept_params(reads: List[Tuple[Any, int, int, Any, str, Optional[str]]], stepped: set, cap: int) -> Dict[Any, Tuple[int, Optional[str]]]:
+    """The units whose stepped value the last optimizer step left in memory (write-back,
+    ``ctx.kept``): the step sets each unit that gets a gradient (``stepped``) in turn, the oldest
+    evicted (written) past ``cap``, so the newest that fit remain. The step's order is the optimizer's
+    parameter order, taken here as the fetch order (a model's parameters are usually registered in
+    the order forward uses them). ``{unit: (bytes, param)}``."""
+    if not cap or not all(isinstance(r[3], int) for r in reads):
+        return {}  # off, or symbolic sizes: the upper bound (every read and write counted)
+    held: Dict[Any, Tuple[int, Optional[str]]] = {}
+    total = 0
+    for unit, _, _, nbytes, _, param in sorted(reads, key=lambda r: r[1]):
+        if unit in held or param not in stepped:
+            continue
+        held[unit] = (nbytes, param)
+        total += nbytes
+        while total > cap:
+            total -= held.pop(next(iter(held)))[0]
+    return held
 
 
 def _cap_write_buffers(ivs: List["Interval"]) -> List["Interval"]:
@@ -317,6 +342,7 @@ class _Builder:
         self.reuse_files = False  # from the records' config (_runtime_nodes)
         self.dirty_cap = 0
         self.read_cache_cap = 0
+        self.kept_cap = 0  # write-back of stepped NVMe parameters (ctx.kept): their cap
         self.reads: List[Tuple[Any, int, int, Any, str, Optional[str]]] = []  # NVMe fetches (_cached_reads)
         self.stage_last: Dict[Tuple[int, str], int] = {}
         if optimizer not in _OPTIM_BYTES:
@@ -453,6 +479,7 @@ class _Builder:
         self.reuse_files = rec.config.nvme_reuse_files
         self.dirty_cap = rec.config.optimizer_sub_group_bytes  # write-back gradients (tiers.DirtyTracker)
         self.read_cache_cap = rec.config.nvme_read_cache_bytes
+        self.kept_cap = rec.config.nvme_read_cache_bytes if rec.config.nvme_param_write_back else 0
         cfg_tier = TIER_OF[rec.config.offload_params]  # the parameter copy that fetches read
         cfg_otier = TIER_OF[rec.config.offload_optimizer]  # fp32 master, gradient shard, optimizer state
         for n in nodes:
@@ -665,13 +692,23 @@ class _Builder:
                                 max(end, root.start), end_node,
                                 tuple(f"{m.key[1]}:{m.name}" for m in members if m is not root),
                                 z.get("param")))
-        rewritten = {iv.param for iv in self.extra if iv.tier == "nvme" and iv.kind == "grad"}
+        stepped = {iv.param for iv in self.extra if iv.tier == "nvme" and iv.kind == "grad"}
+        held = _kept_params(self.reads, stepped, self.kept_cap)
+        held_params = {param for _, param in held.values()}
+        rewritten = stepped - held_params  # a kept master is not written while it stays kept
         kept = _deferred_grads(self.extra, self.dirty_cap)
         extra = [dataclasses.replace(iv, end=fix(iv.end), files=0 if iv.kind == "grad" and iv.param in kept
                                      else self._files(iv, rewritten)) for iv in self.extra]
+        # a kept value's fetches borrow it: no read buffer (but a cast on the host, if any), nothing cached
+        lent = {r[4]: r[3] for r in self.reads if r[0] in held}
+        extra = [iv if not (iv.role == "read_buffer" and iv.name in lent)
+                 else dataclasses.replace(iv, nbytes=iv.nbytes - lent[iv.name]) for iv in extra]
+        extra = [iv for iv in extra if not (iv.role == "read_buffer" and iv.name in lent and iv.nbytes == 0)]
         written = [iv for iv in extra if not (iv.role == "write_buffer" and iv.param in kept)]
         out += [iv for iv in extra if iv.role == "write_buffer" and iv.param in kept] + _cap_write_buffers(written)
-        out += _cached_reads(self.reads, self.read_cache_cap, last_step)
+        out += [Interval(f"kept:{param}", "cpu", "staging", "kept", nbytes, 0, last_step, "end", (), param)
+                for nbytes, param in held.values()]
+        out += _cached_reads([r for r in self.reads if r[0] not in held], self.read_cache_cap, last_step)
         out.sort(key=lambda iv: (iv.start, iv.name))
         return MemoryPlan(self.steps, out, dict(self.symbols), graphs)
 
