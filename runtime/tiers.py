@@ -273,6 +273,11 @@ pool = BufferPool()  # the default context's pool (direct runtime users)
 _default_writes = WriteTracker()
 
 
+#: guards every slot's lend bookkeeping (``Slot._lent``): a fetch may hand a value back on a copy lane's
+#: thread while the main thread replaces or evicts it; held for dict and counter updates only
+_LEND_LOCK = threading.Lock()
+
+
 class _Lend:
     """A slot's write-back value lent to fetches (``Slot.read_owned(keep=True)``), by its buffer.
 
@@ -474,14 +479,15 @@ class Slot:
         """The slot no longer holds ``buf`` (a replaced or written value): it goes to the read cache
         as the slot's clean copy (``cache_version``: the version it holds), else to the pool if
         ``pooled``, but only once every fetch it was lent to handed it back (``keep_read``)."""
-        lend = self._lent.get(buf.data_ptr()) if self._lent else None
         fence = None
-        if lend is not None:
-            if lend.count > 0:
-                lend.pooled = pooled  # the last borrower gives it to the pool (a newer value may be cached by then)
-                return
-            del self._lent[buf.data_ptr()]
-            fence = lend.fence
+        with _LEND_LOCK:
+            lend = self._lent.get(buf.data_ptr()) if self._lent else None
+            if lend is not None:
+                if lend.count > 0:
+                    lend.pooled = pooled  # the last borrower gives it to the pool (a newer value may be cached by then)
+                    return
+                del self._lent[buf.data_ptr()]
+                fence = lend.fence
         if cache_version is not None and self.ctx.read_cache.put(self, buf, fence, cache_version):
             return
         if pooled:
@@ -536,12 +542,14 @@ class Slot:
         does not change; the cache saves the re-reads (``zinf_runtime.read_cache``)."""
         if self.tier == "nvme":
             self.flush()  # a finished write leaves its value in the cache; a failed one raises here
-            if keep and self._dirty is not None:  # the write-back value, lent where it is: a fetch only reads it
-                lend = self._lent.get(self._dirty.data_ptr())
-                if lend is None:
-                    lend = self._lent[self._dirty.data_ptr()] = _Lend(self._dirty)
-                lend.count += 1
-                return self._dirty, None
+            data = self._dirty
+            if keep and data is not None:  # the write-back value, lent where it is: a fetch only reads it
+                with _LEND_LOCK:
+                    lend = self._lent.get(data.data_ptr())
+                    if lend is None:
+                        lend = self._lent[data.data_ptr()] = _Lend(data)
+                    lend.count += 1
+                return data, None
         version = self.version
         buf = self.ctx.read_cache.take(self)
         handle = None
@@ -566,8 +574,10 @@ class Slot:
         the next step updates; copying it out first cost a memcpy of every master byte per step."""
         data = self._dirty
         if self.tier == "nvme" and data is not None:
-            lend = self._lent.get(data.data_ptr())
-            if lend is None or lend.count == 0:
+            with _LEND_LOCK:
+                lend = self._lent.get(data.data_ptr())
+                free = lend is None or lend.count == 0
+            if free:
                 if lend is not None:
                     lend.fence.wait()  # device copies that read it are done before the host writes it
                 self._tracker.untrack(self)
@@ -580,13 +590,19 @@ class Slot:
         dropped since that read started (then, or when the cache refuses it, it goes to the pool).
         A lent write-back value goes back to the slot (or, if the slot let go of it meanwhile, to the
         pool once no other fetch reads it)."""
-        lend = self._lent.get(buf.data_ptr()) if self._lent else None
-        if lend is not None and lend.count > 0:
-            lend.count -= 1
-            if fence is not None:
-                lend.fence.absorb(fence)
-            if lend.count == 0 and lend.pooled is not None:  # the slot let go of it while it was out
-                del self._lent[buf.data_ptr()]
+        lent = last = False
+        with _LEND_LOCK:
+            lend = self._lent.get(buf.data_ptr()) if self._lent else None
+            if lend is not None and lend.count > 0:
+                lent = True
+                lend.count -= 1
+                if fence is not None:
+                    lend.fence.absorb(fence)
+                last = lend.count == 0 and lend.pooled is not None  # the slot let go of it while it was out
+                if last:
+                    del self._lent[buf.data_ptr()]
+        if lent:
+            if last:
                 if lend.pooled:
                     self.pool.release(buf, lend.fence)
                 else:
@@ -652,12 +668,12 @@ class Slot:
         if self._dirty is not None and not self._written:  # deferred, never written: nothing on disk
             self.accounting.sub("nvme", self.kind, self.nbytes)
         self._discard_dirty()
-        for ptr, lend in list(self._lent.items()):  # fetches still holding a lent value drop it when done
-            if lend.count == 0:
-                del self._lent[ptr]
-                lend.fence.wait()
-            else:
+        with _LEND_LOCK:  # fetches still holding a lent value drop it when done
+            idle = [self._lent.pop(ptr) for ptr, lend in list(self._lent.items()) if lend.count == 0]
+            for lend in self._lent.values():
                 lend.pooled = False
+        for lend in idle:
+            lend.fence.wait()
         if self._written:
             self._pending = None
             self._pending_buffer = None
