@@ -300,7 +300,7 @@ class ShardedOptimizerMixin:
                             u.grad_slot.pool.release(grad)
                         u.master_updated(master)
                         if u.master.tier == "nvme":  # buffers return once written; with write-back, kept
-                            # in memory as the slot's value until the dirty tracker evicts it (the next
+                            # in memory as the slot's value until ctx.kept evicts it (the next
                             # fetches read it there: no write, no read while it stays)
                             u.master.set(master, donate=True, recycle=True, defer=u.placement.param_write_back)
                         per_el, small = split_state(self.state.pop(master, {}), u.shard_numel)

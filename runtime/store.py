@@ -58,7 +58,7 @@ class Placement:
     partition: str = "bandwidth"  # "bandwidth": 1/dp per rank; "broadcast": one owner (runtime/broadcast.py)
     nvme_min_bytes: int = 0  # a parameter whose fp32 shard is smaller stays in CPU memory (``for_numel``)
     read_cache_bytes: int = read_cache.DEFAULT_CAP_BYTES  # NVMe parameter reads kept for re-reads (read_cache.py)
-    param_write_back: bool = True  # the optimizer's NVMe parameter writes kept in memory until evicted (tiers.DirtyTracker)
+    param_write_back: bool = True  # stepped NVMe parameters kept in memory until evicted (ctx.kept, cap read_cache_bytes)
     context: Optional[RuntimeContext] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:

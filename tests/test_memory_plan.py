@@ -483,3 +483,26 @@ def test_dp2_plan_counts_collective_buffers(tmp_path):
         assert bucketed["runtime_bucket"] > 0
         # a bucket's output goes back to the model's pool for the next bucket; a lone gather's is freed
         assert bucketed["pooled_outputs_held"] > 0 and alone["pooled_outputs_held"] == 0
+
+
+@pytest.mark.parametrize("tiers", [("none", "nvme"), ("nvme", "nvme")])
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_kept_values_in_the_plan_are_what_the_steps_keep(tiers, precision, tmp_path):
+    """Write-back (``nvme_param_write_back``): the plan's ``kept`` bytes are the stepped parameters
+    the runtime holds unwritten after a step (``ctx.kept``): the NVMe master of parameters on the
+    device, and with bf16 parameters on NVMe both the bf16 copy the fetches read and the fp32 master."""
+    model, x, y = _fresh_model(tmp_path)
+    opts = {"offload_params": tiers[0], "offload_optimizer": tiers[1], "nvme_path": str(tmp_path / "run"),
+            "mixed_precision": precision}
+    plan = zinf_compile.memory_plan(model, (x, y), optimizer="adamw", **{**opts, "nvme_path": str(tmp_path / "plan")})
+    cm = torch.compile(model, backend="zinf", options={"compiler": "eager", **opts})
+    opt = zinf_compile.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        cm(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    (ctx,) = zinf_runtime.contexts_of(model)
+    planned = sum(iv.nbytes for iv in plan.intervals if iv.role == "kept")
+    assert ctx.kept.bytes > 0 and planned == ctx.kept.bytes, (planned, ctx.kept.bytes)
+    del cm, opt
+    torch._dynamo.reset()

@@ -71,13 +71,14 @@ class Config:
     nvme_param_write_back: with parameters on NVMe, the optimizer's stepped parameters (the fp32
         master, and the parameter copy of a bf16/fp16 model) stay in host memory as the parameter's
         value instead of being written every step; the next forward and backward fetch them there,
-        and one is written only when the write-back cap evicts it (``optimizer_sub_group_bytes``,
-        shared with the gradients kept for the step; oldest first). Why: a parameter file rewritten
-        every step, and read back by the next forward, costs a write per step and the IO threads'
-        CPU for bytes that are still in memory; DeepSpeed keeps its parameters in CPU memory up to
-        ``max_in_cpu`` for the same reason. A full disk on an eviction's write keeps the value in
-        memory and raises at the next access of the parameter. ``False``: every step writes them
-        (write-through; the read cache then keeps the written copies).
+        and one is written only when the newest kept values exceed ``nvme_read_cache_bytes``
+        (oldest first; counted apart from the read cache and from the gradients kept for the step).
+        Why: a parameter file rewritten every step, and read back by the next forward, costs a write
+        per step and the IO threads' CPU for bytes that are still in memory; DeepSpeed keeps its
+        parameters in CPU memory up to ``max_in_cpu`` for the same reason. A full disk on an
+        eviction's write keeps the value in memory and raises at the parameter's next access or at
+        the step's end. ``False``: every step writes them (write-through; the read cache then keeps
+        the written copies).
     mixed_precision: ``None`` trains in the model's dtype; ``"bf16"``/``"fp16"`` run the model as under
         ``torch.autocast`` with that dtype, all-gathering parameters in it where every use is a cast,
         while master weights, gradient shards and optimizer state stay fp32.

@@ -160,18 +160,27 @@ def _deferred_grads(ivs: List["Interval"], cap: int) -> set:
     return {iv.param for iv in kept if iv.param is not None}
 
 
-def _kept_params(reads: List[Tuple[Any, int, int, Any, str, Optional[str]]], stepped: set, cap: int) -> Dict[Any, Tuple[int, Optional[str]]]:
+def _kept_params(reads: List[Tuple[Any, int, int, Any, str, Optional[str]]], stepped: set, cap: int,
+                 masters: Dict[Any, Tuple[int, int, Optional[str]]]) -> Dict[Any, Tuple[int, Optional[str]]]:
     """The units whose stepped value the last optimizer step left in memory (write-back,
     ``ctx.kept``): the step sets each unit that gets a gradient (``stepped``) in turn, the oldest
     evicted (written) past ``cap``, so the newest that fit remain. The step's order is the optimizer's
     parameter order, taken here as the fetch order (a model's parameters are usually registered in
-    the order forward uses them). ``{unit: (bytes, param)}``."""
-    if not cap or not all(isinstance(r[3], int) for r in reads):
+    the order forward uses them). A unit fetched from NVMe keeps the value its fetches read; one whose
+    fp32 master lives on NVMe apart from its fetched copy (a bf16 model, or parameters on the device)
+    keeps that master too: ``masters[unit] = (bytes, first fetch, param)``. ``{unit: (bytes, param)}``."""
+    if not cap or not all(isinstance(r[3], int) for r in reads) or not all(
+            isinstance(m[0], int) for m in masters.values()):
         return {}  # off, or symbolic sizes: the upper bound (every read and write counted)
+    units: Dict[Any, List[Any]] = {}  # unit -> [first fetch, bytes, param]
+    for unit, at, _, nbytes, _, param in sorted(reads, key=lambda r: r[1]):
+        units.setdefault(unit, [at, nbytes, param])
+    for unit, (nbytes, at, param) in masters.items():
+        units.setdefault(unit, [at, 0, param])[1] += nbytes
     held: Dict[Any, Tuple[int, Optional[str]]] = {}
     total = 0
-    for unit, _, _, nbytes, _, param in sorted(reads, key=lambda r: r[1]):
-        if unit in held or param not in stepped:
+    for unit, (_, nbytes, param) in sorted(units.items(), key=lambda kv: kv[1][0]):
+        if param not in stepped:
             continue
         held[unit] = (nbytes, param)
         total += nbytes
@@ -343,6 +352,8 @@ class _Builder:
         self.dirty_cap = 0
         self.read_cache_cap = 0
         self.kept_cap = 0  # write-back of stepped NVMe parameters (ctx.kept): their cap
+        self.masters: Dict[Any, Tuple[Any, int, Optional[str]]] = {}  # unit -> an NVMe master apart from its
+        # fetched copy: (bytes, first fetch, param)
         self.reads: List[Tuple[Any, int, int, Any, str, Optional[str]]] = []  # NVMe fetches (_cached_reads)
         self.stage_last: Dict[Tuple[int, str], int] = {}
         if optimizer not in _OPTIM_BYTES:
@@ -517,6 +528,8 @@ class _Builder:
                 self._once(("param", uid), Interval(f"shard:{param}", home, "param", "shard", 4 * shard_numel,
                                                     0, self.END, "end", (), param))
                 if not shared:  # a separate parameter copy on the parameter tier
+                    if home == "nvme" and uid not in self.masters:  # its master, stepped and kept beside the copy
+                        self.masters[uid] = (4 * shard_numel, read_at, param)
                     nb = shard_numel * torch.empty((), dtype=pdtype).element_size()
                     self._once(("pcopy", uid), Interval(f"copy:{param}", tier, "param", "param_copy", nb,
                                                         0, self.END, "end", (), param))
@@ -692,8 +705,8 @@ class _Builder:
                                 max(end, root.start), end_node,
                                 tuple(f"{m.key[1]}:{m.name}" for m in members if m is not root),
                                 z.get("param")))
-        stepped = {iv.param for iv in self.extra if iv.tier == "nvme" and iv.kind == "grad"}
-        held = _kept_params(self.reads, stepped, self.kept_cap)
+        stepped = {iv.param for iv in self.extra if iv.kind == "grad"}  # parameters the optimizer steps
+        held = _kept_params(self.reads, stepped, self.kept_cap, self.masters)
         held_params = {param for _, param in held.values()}
         rewritten = stepped - held_params  # a kept master is not written while it stays kept
         kept = _deferred_grads(self.extra, self.dirty_cap)
