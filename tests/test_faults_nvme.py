@@ -87,6 +87,12 @@ def close(full: dict, want: dict) -> bool:
     return all(torch.allclose(full[k], want[k], rtol=RTOL, atol=ATOL) for k in want)
 
 
+def assert_state(model, want: dict) -> None:
+    full = zinf_compile.full_state_dict(model)
+    for k, v in want.items():
+        torch.testing.assert_close(full[k], v, rtol=RTOL, atol=ATOL, msg=lambda m: f"{k}: {m}")
+
+
 def check_message(exc: SwapSpaceError, tmp_path, kind: str) -> None:
     msg = str(exc)
     assert str(tmp_path) in msg and "fix: free space on" in msg and "larger disk" in msg, msg
@@ -108,9 +114,7 @@ def test_disk_full_writing_gradients_loses_nothing_and_training_resumes(tmp_path
     opt.zero_grad()
     step_of(model, cmodel, opt, 1)
     step_of(model, cmodel, opt, 2)
-    full = zinf_compile.full_state_dict(model)
-    for k, v in want[3].items():
-        torch.testing.assert_close(full[k], v, rtol=RTOL, atol=ATOL, msg=lambda m: f"{k}: {m}")
+    assert_state(model, want[3])
 
 
 def test_disk_full_writing_masters_leaves_each_parameter_whole(tmp_path, disk_full):
@@ -147,12 +151,8 @@ def test_disk_full_writing_back_a_kept_master_loses_nothing(tmp_path, disk_full)
     assert disk_full["failed"] == 1
     check_message(ei.value, tmp_path, "master")
     disk_full["kind"] = None
-    full = zinf_compile.full_state_dict(model)
-    for k, v in want[2].items():  # every parameter stepped, the one whose write failed too
-        torch.testing.assert_close(full[k], v, rtol=RTOL, atol=ATOL, msg=lambda m: f"{k}: {m}")
+    assert_state(model, want[2])  # every parameter stepped, the one whose write failed too
     opt.zero_grad()
     step_of(model, cmodel, opt, 2)
     step_of(model, cmodel, opt, 3)
-    full = zinf_compile.full_state_dict(model)
-    for k, v in want[4].items():
-        torch.testing.assert_close(full[k], v, rtol=RTOL, atol=ATOL, msg=lambda m: f"{k}: {m}")
+    assert_state(model, want[4])
