@@ -286,10 +286,9 @@ class _Lend:
     value replaced it, or it was written back). The buffer goes to the read cache or the pool only
     once the last borrower handed it back, after the device work its fences record."""
 
-    __slots__ = ("buf", "count", "fence", "pooled")
+    __slots__ = ("count", "fence", "pooled")
 
-    def __init__(self, buf: torch.Tensor) -> None:
-        self.buf = buf
+    def __init__(self) -> None:
         self.count = 0  # fetches that have it and have not handed it back
         self.fence = hostsync.Fence()  # device work of those fetches still reading it (CUDA)
         self.pooled: Optional[bool] = None  # set once the slot let go: whether it goes to the pool then
@@ -547,7 +546,7 @@ class Slot:
                 with _LEND_LOCK:
                     lend = self._lent.get(data.data_ptr())
                     if lend is None:
-                        lend = self._lent[data.data_ptr()] = _Lend(data)
+                        lend = self._lent[data.data_ptr()] = _Lend()
                     lend.count += 1
                 return data, None
         version = self.version

@@ -142,6 +142,19 @@ class Step:
     target: str
 
 
+def _newest_within(items: Iterable[Tuple[Any, int]], cap: int) -> List[Any]:
+    """What a write-back tracker (``tiers.DirtyTracker``) still holds after ``items`` (key, bytes)
+    were deferred in this order: past ``cap`` the oldest are evicted (written)."""
+    held: Dict[Any, int] = {}
+    total = 0
+    for key, nbytes in items:
+        held[key] = nbytes
+        total += nbytes
+        while total > cap and held:
+            total -= held.pop(next(iter(held)))
+    return list(held)
+
+
 def _deferred_grads(ivs: List["Interval"], cap: int) -> set:
     """The parameters whose NVMe gradient stays in host memory, never written (``tiers.DirtyTracker``):
     gradients are kept in the order they are reduced while their bytes fit under ``cap``; past it
@@ -150,14 +163,8 @@ def _deferred_grads(ivs: List["Interval"], cap: int) -> set:
     grads = sorted((iv for iv in ivs if iv.role == "write_buffer"), key=lambda iv: iv.start)
     if not all(isinstance(iv.nbytes, int) for iv in grads):
         return set()  # symbolic sizes: the upper bound, every gradient written
-    kept: List[Interval] = []
-    held = 0
-    for iv in grads:
-        kept.append(iv)
-        held += iv.nbytes
-        while held > cap and kept:
-            held -= kept.pop(0).nbytes
-    return {iv.param for iv in kept if iv.param is not None}
+    kept = _newest_within(((i, iv.nbytes) for i, iv in enumerate(grads)), cap)
+    return {grads[i].param for i in kept if grads[i].param is not None}
 
 
 def _kept_params(reads: List[Tuple[Any, int, int, Any, str, Optional[str]]], stepped: set, cap: int,
@@ -177,16 +184,8 @@ def _kept_params(reads: List[Tuple[Any, int, int, Any, str, Optional[str]]], ste
         units.setdefault(unit, [at, nbytes, param])
     for unit, (nbytes, at, param) in masters.items():
         units.setdefault(unit, [at, 0, param])[1] += nbytes
-    held: Dict[Any, Tuple[int, Optional[str]]] = {}
-    total = 0
-    for unit, (_, nbytes, param) in sorted(units.items(), key=lambda kv: kv[1][0]):
-        if param not in stepped:
-            continue
-        held[unit] = (nbytes, param)
-        total += nbytes
-        while total > cap:
-            total -= held.pop(next(iter(held)))[0]
-    return held
+    order = sorted((u for u, (_, _, param) in units.items() if param in stepped), key=lambda u: units[u][0])
+    return {u: (units[u][1], units[u][2]) for u in _newest_within(((u, units[u][1]) for u in order), cap)}
 
 
 def _cap_write_buffers(ivs: List["Interval"]) -> List["Interval"]:
