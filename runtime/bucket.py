@@ -17,9 +17,11 @@ per-parameter gather, so numerics are unchanged). On CUDA, ``work.wait()`` order
 stream after the collective before the copy-out, and every buffer the collective reads or writes is
 kept alive by the tickets until their waits.
 
-On gloo both collectives are exchanges (``comm.exchanges``): a gather packs its shards into the first
-row of a (world, total) send buffer that the exchange replicates, a reduction adds a (world, total)
-receive buffer that its wait sums. A bucket's own buffers (the packed input, the collective's output,
+On gloo both collectives are exchanges (``comm.exchanges``): at 2 ranks a gather packs its shards into
+its own row of the output, which goes to the peer, and a reduction adds a receive buffer for the
+peer's (total) slice that its wait sums with its own; from 3 ranks a gather packs into the first row of
+a (world, total) send buffer that the exchange replicates, and a reduction's receive buffer is
+(world, total). A bucket's own buffers (the packed input, the collective's output,
 an exchange's receive buffer) are given back at its last member's wait, on the waiting thread,
 whoever else still holds them: a ``Work`` references the tensors it was given, and gloo's worker
 thread drops that reference just after it signals completion, so freeing by reference count alone
@@ -71,12 +73,13 @@ class BucketBuffers:
 def bucket_buffers(ctx: Any, device: torch.device, dtype: torch.dtype, numels: Tuple[int, ...],
                    waits: int) -> Tuple[BucketBuffers, List[torch.Tensor]]:
     """A bucket's flat buffers (the collective's input, its output, and an exchange's receive buffer
-    when it has one: ``numels`` elements each), booked as ``comm`` bytes and given back by the last of
-    ``waits`` member waits; returns the owner and views of exactly ``numels``. The pool is the
-    context's on the host, none on an accelerator."""
+    when it has one; or its output alone, when the input is a row of it: ``numels`` elements each),
+    booked as ``comm`` bytes and given back by the last of ``waits`` member waits; returns the owner
+    and views of exactly ``numels``. The pool is the context's on the host, none on an accelerator."""
     pool = ctx.pool if device.type == "cpu" else None
     raw = tuple(flat_buffer(pool, n, dtype, device) for n in numels)
-    own = BucketBuffers(raw, ctx.accounting.comm_buffers(raw[1], sum(_nb(r) for r in raw)), waits, pool)
+    output = raw[1] if len(raw) > 1 else raw[0]
+    own = BucketBuffers(raw, ctx.accounting.comm_buffers(output, sum(_nb(r) for r in raw)), waits, pool)
     return own, [r[:n] for r, n in zip(raw, numels)]
 
 
@@ -100,10 +103,18 @@ def op_gather_bucket(shards: List[torch.Tensor], uids: List[int]) -> List[torch.
     eng.enter()
     try:
         group = first.placement.group
-        exchange = comm.exchanges(shards[0], group)  # its send buffer: the packed shards, once per rank
-        own, (send, out) = bucket_buffers(first.context, shards[0].device, shards[0].dtype,
-                                          ((world if exchange else 1) * total, world * total), len(handles))
-        packed = send[:total]
+        exchange = comm.exchanges(shards[0], group)
+        # the packed shards: an exchange's send buffer (once per rank) from 3 ranks, its own row of the
+        # output at 2 (``comm.exchange_numel``), a buffer of their own elsewhere (NCCL)
+        send_numel = comm.exchange_numel("all_gather", total, world) if exchange else total
+        if send_numel:
+            own, (send, out) = bucket_buffers(first.context, shards[0].device, shards[0].dtype,
+                                              (send_numel, world * total), len(handles))
+            packed = send[:total]
+        else:
+            own, (out,) = bucket_buffers(first.context, shards[0].device, shards[0].dtype, (world * total,),
+                                         len(handles))
+            send, packed = None, out.view(world, total)[comm.rank(group)]
         torch.cat([s.reshape(-1) for s in shards], out=packed)
         work = comm.all_gather_flat(out, packed, group, async_op=True, send=send if exchange else None)
         eng.counters["all_gather_bucket"] = eng.counters.get("all_gather_bucket", 0) + 1
@@ -166,9 +177,10 @@ def op_reduce_bucket(grads: List[torch.Tensor], params: List[torch.Tensor], uids
             total = sum(sizes)
             device = grads[members[0]].device
             group = first.placement.group
-            exchange = comm.exchanges(grads[members[0]], group)  # + its receive buffer, as big as the pack
+            exchange = comm.exchanges(grads[members[0]], group)  # + its receive buffer (comm.exchange_numel)
             own, bufs = bucket_buffers(first.context, device, torch.float32,
-                                       (world * total, total, world * total)[: 3 if exchange else 2], len(members))
+                                       (world * total, total, comm.exchange_numel("reduce_scatter", world * total, world)
+                                        )[: 3 if exchange else 2], len(members))
             flat_pack, out = bufs[0], bufs[1]
             pack = flat_pack.view(world, total)
             buffers, parts = [], []

@@ -212,15 +212,27 @@ def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: ProcessGroup,
     ``async_op``: returns the work handle; ``out`` is valid, and ``shard`` may be reused, only
     after its ``wait()`` (which, on CUDA, orders the current stream after the collective).
 
-    On gloo it runs as an exchange (:func:`exchanges`): ``shard`` is copied now into every row of
-    ``send`` (world × shard elements, read until the wait; allocated when not given; ``shard`` may be
-    its first row, else ``shard`` may be reused at once). ``then`` (exchanges only): run once the
-    collective is done (the caller gives its buffers back there)."""
+    On gloo it runs as an exchange (:func:`exchanges`). At 2 ranks ``shard`` is copied now into this
+    rank's row of ``out`` (no copy when it is that row already), which is sent to the peer, whose row
+    is received in place: no send buffer (``send`` is not used; :func:`exchange_numel` is 0). From 3
+    ranks ``shard`` is copied now into every row of ``send`` (world × shard elements, read until the
+    wait; allocated when not given; ``shard`` may be its first row). Either way ``shard`` may be
+    reused at once. ``then`` (exchanges only): run once the collective is done (the caller gives its
+    buffers back there)."""
     exchange = exchanges(shard, group)
     _check("all_gather", shard, group, device="always", slot_ok=exchange)
     _check("all_gather (output)", out, group, device="always")
     if exchange:
         world, n = world_size(group), shard.numel()
+        if world == 2:
+            me = rank(group)
+            rows = out.view(2, n)
+            if shard.data_ptr() != rows[me].data_ptr() or not shard.is_contiguous():
+                rows[me].copy_(shard.reshape(n))
+            split = _pair_split(me, n)
+            return _run("all_gather", out, group, lambda a: dist.all_to_all_single(
+                rows[1 - me], rows[me], output_split_sizes=split, input_split_sizes=split, group=group,
+                async_op=a), async_op, finish=then)
         send = _buffer(send, shard, world * n, "send", group)
         rows = send.view(world, n)
         if shard.data_ptr() == send.data_ptr() and shard.is_contiguous():  # already its first row
@@ -240,14 +252,29 @@ def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: ProcessGro
     """``out`` receives the sum over ranks of this rank's slice of ``full`` (``async_op``: as for
     ``all_gather_flat``).
 
-    On gloo it runs as an exchange (:func:`exchanges`): ``recv`` (``full``'s size; allocated when
-    not given) receives every rank's slice for this rank, and the wait sums them into ``out``, then
-    runs ``then``."""
+    On gloo it runs as an exchange (:func:`exchanges`): ``recv`` (:func:`exchange_numel` elements:
+    the peer's slice at 2 ranks, every rank's from 3; allocated when not given) receives the other
+    ranks' slices for this rank, and the wait sums them with this rank's own into ``out``, in rank
+    order, then runs ``then``."""
     _check("reduce_scatter", full, group, device="always")
     _check("reduce_scatter (output)", out, group, device="always")
     if exchanges(full, group):
-        recv = _buffer(recv, full, full.numel(), "receive", group)
-        rows = recv.view(world_size(group), -1)
+        world = world_size(group)
+        recv = _buffer(recv, full, exchange_numel("reduce_scatter", full.numel(), world), "receive", group)
+        if world == 2:
+            me, n = rank(group), full.numel() // 2
+            mine = full.view(2, n)[me]
+            split = _pair_split(me, n)
+
+            def finish_pair() -> None:
+                torch.add(*((mine, recv) if me == 0 else (recv, mine)), out=out)  # rank order
+                if then is not None:
+                    then()
+
+            return _run("reduce_scatter", full, group, lambda a: dist.all_to_all_single(
+                recv, full.view(2, n)[1 - me], output_split_sizes=split, input_split_sizes=split, group=group,
+                async_op=a), async_op, finish=finish_pair)
+        rows = recv.view(world, -1)
 
         def finish() -> None:
             sum_rows(rows, out)
@@ -263,11 +290,40 @@ def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group: ProcessGro
                 lambda a: fn(out, full, op=dist.ReduceOp.SUM, group=group, async_op=a), async_op)
 
 
+def _pair_split(me: int, n: int) -> list:
+    """The split sizes of a 2-rank exchange: ``n`` elements to and from the peer, none to itself (gloo
+    would copy that chunk locally, for nothing)."""
+    split = [n, n]
+    split[me] = 0
+    return split
+
+
+def exchange_numel(op: str, numel: int, world: int) -> int:
+    """Elements of the buffer of its own an exchange (:func:`exchanges`) needs beside its input and
+    output: for ``"all_gather"`` (``numel``: the shard's) the send buffer, none at 2 ranks (the shard
+    goes out from its row of the output) and the shard once per rank from 3; for
+    ``"reduce_scatter"`` (``numel``: the full input's) the receive buffer, the peer's slice at 2 ranks
+    and every rank's slice from 3.
+
+    Why 2 ranks differ: an exchange there needs no chunk to itself, which gloo copies locally and an
+    all-gather first replicates. Without it, on this 2-core host (``benchmarks/collective_algorithms.py``,
+    ``results/collective-algorithms-pair.json``, per call, two runs): a 7 MiB all-gather (a GPT
+    block's bucket) took 4.2-4.6 ms and 2.3-3.6 ms of CPU against 5.4-6.3 ms and 3.6-4.6 ms with it,
+    a 7 MiB reduce-scatter 3.6-3.9 ms against 5.5-6.0 ms, 64 MiB 1.1-1.3x; at 1 MiB both forms took
+    0.9-1.2 ms. From 3 ranks a middle rank's peers' rows are not one contiguous block (and an
+    all-gather must send its shard once per peer), so they keep the form with a chunk to itself."""
+    if op == "all_gather":
+        return 0 if world == 2 else world * numel
+    if op == "reduce_scatter":
+        return numel // 2 if world == 2 else numel
+    raise ValueError(f"zinf comm: no exchange for {op!r}")
+
+
 def exchanges(t: torch.Tensor, group: ProcessGroup) -> bool:
     """Whether :func:`all_gather_flat` and :func:`reduce_scatter_flat` on ``t`` run as an exchange:
     one ``all_to_all_single``, where each rank sends every other rank a chunk and receives one from
     each (an all-gather sends its shard replicated; a reduce-scatter sends each rank its slice, then
-    sums what it received in rank order).
+    sums what it received in rank order). At 2 ranks no chunk goes to itself (:func:`exchange_numel`).
 
     Why: on gloo, ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` stage through copies of
     their own. 2 ranks on this 2-core host, fp32, per call (``benchmarks/collective_algorithms.py``,

@@ -451,7 +451,8 @@ class ParamHandle:
     def collective_input(self, shard: torch.Tensor) -> torch.Tensor:
         """``shard`` as a collective may read it: a private copy when it is a slot's memory read in
         place (``shard_in_place``), so no collective ever reads a slot (strict comm); else itself. An
-        exchange (``comm.exchanges``) copies its shard into its own send buffer as it starts: itself."""
+        exchange (``comm.exchanges``) copies its shard into a buffer of its own (its output's row at
+        2 ranks, its send buffer from 3) as it starts: itself."""
         if _is_in_place(shard.untyped_storage()) and not comm.exchanges(shard, self.placement.group):
             return shard.clone()
         return shard
@@ -466,8 +467,9 @@ class ParamHandle:
             if self.rank == self.owner:
                 buf.copy_(shard)
             return buf, comm.broadcast_flat(buf, self.owner, self.placement.group, async_op=async_op)
-        if comm.exchanges(shard, self.placement.group):
-            send, give_back = self._exchange_buffer(self.world * shard.numel(), shard)
+        extra = comm.exchange_numel("all_gather", shard.numel(), self.world)
+        if comm.exchanges(shard, self.placement.group) and extra:
+            send, give_back = self._exchange_buffer(extra, shard)
             work = comm.all_gather_flat(buf, shard, self.placement.group, async_op=async_op, send=send,
                                         then=give_back)
         else:
@@ -624,7 +626,8 @@ class ParamHandle:
         flat = flat.contiguous()
         shard = self.new_grad_shard(flat.device)
         if comm.exchanges(flat, self.placement.group):
-            recv, give_back = self._exchange_buffer(flat.numel(), flat)
+            recv, give_back = self._exchange_buffer(comm.exchange_numel("reduce_scatter", flat.numel(), self.world),
+                                                    flat)
             work = comm.reduce_scatter_flat(shard, flat, self.placement.group, async_op=async_op, recv=recv,
                                             then=give_back)
         else:

@@ -1,6 +1,6 @@
 """On gloo, zinf's all-gathers and reduce-scatters run as exchanges (``zinf_runtime.comm.exchanges``):
 one ``all_to_all_single`` each (a replicated shard out; or each rank's slice out and a local sum in
-rank order), faster there than gloo's own collectives. They must give torch's collectives' numbers:
+rank order; at 2 ranks, with no chunk to itself), faster there than gloo's own collectives. They must give torch's collectives' numbers:
 an all-gather bit for bit; a reduce-scatter bit for bit at 2 ranks on any floats (``a + b == b + a``),
 on integer-valued floats (exact sums in any order) at 3, and within the rounding of two summation
 orders otherwise; sync and started-then-waited alike, with the wait sliced for failure polling
@@ -46,5 +46,7 @@ def test_reduce_scatter_exchange_matches_gloo(tmp_path, world):
         assert r["gather"] == [{"sync_equal": True, "async_equal": True, "packed_equal": True, "then": 1}] * 3, r["gather"]
         assert r["late_equal"], r
         assert "receive buffer" in r["bad_recv"] and "3" in r["bad_recv"], r["bad_recv"]
+        # 2 ranks: no chunk to itself (the peer's slice received, the shard sent from the output's row)
+        assert (r["recv_numel"], r["send_numel"]) == ((8, 0) if world == 2 else (world * 8, world * 8)), r
     assert max(r["late_waited_s"] for r in rows) >= 0.6  # some rank's wait outlived several 0.2 s slices
 

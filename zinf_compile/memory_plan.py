@@ -13,13 +13,15 @@ tensor gets a live interval on the schedule (forward nodes, then backward nodes)
     device  grad_buffer  a parameter's gradient, until ``zinf.reduce_grad`` consumed it (+ its copies there)
     device  comm         bucket:    a coalesced collective's flat buffers (``bucket_bytes``, dp > 1): the
                                     packed input and the output (on gloo, an all-gather's packed input
-                                    is its exchange's send buffer, the shards once per rank, and a
-                                    reduce-scatter adds its exchange's receive buffer), from
+                                    is its exchange's send buffer, the shards once per rank, or at 2
+                                    ranks a row of its output, and a reduce-scatter adds its exchange's
+                                    receive buffer), from
                                     ``gather_bucket`` / ``reduce_bucket`` to its last member's wait (the
                                     runtime books them as ``comm`` too)
                          exchange:  on gloo a lone parameter's all-gather or reduce-scatter is an
-                                    exchange (``zinf_runtime.comm.exchanges``): its (world, shard) send or
-                                    receive buffer, from the pool, from the start to the wait
+                                    exchange (``zinf_runtime.comm.exchanges``): its send or receive
+                                    buffer (``comm.exchange_numel``: none for an all-gather at 2 ranks),
+                                    from the pool, from the start to the wait
     <tier>  param/grad/optim   the runtime's shards: fp32 masters (+ compute-dtype copies) for the whole
                          step, a gradient shard from its first reduce_grad on, optimizer state if asked
 
@@ -111,7 +113,7 @@ import sympy
 import torch
 import torch.fx
 
-from zinf_runtime import store
+from zinf_runtime import comm, store
 from zinf_runtime.tiers import flat_nbytes
 from zinf_runtime.swap import ALIGN as SWAP_ALIGN
 
@@ -554,8 +556,9 @@ class _Builder:
         output in the shards' dtype, for ``reduce_bucket`` the fp32 (world, total) pack and the
         total-element output; members the runtime reduces alone (tiled elsewhere, or not
         dp-partitioned) are left out, as there. On gloo every collective is an exchange
-        (``comm.exchanges``) with a (world, total) buffer of its own: a bucket's all-gather packs into
-        it (its input grows to world × total), a reduce-scatter receives into it; elsewhere a parameter
+        (``comm.exchanges``) with a buffer of its own (``comm.exchange_numel``): from 3 ranks a
+        bucket's all-gather packs into a (world, total) send buffer, at 2 into its output's row (no
+        buffer); a reduce-scatter receives the other ranks' slices into it; elsewhere a parameter
         gathered alone whose shard is read in place is copied for the collective first (its shard
         bytes). A synchronous ``all_gather`` / ``reduce_grad`` holds them for its own step only."""
         bucket = n.target in (GATHER_BUCKET, REDUCE_BUCKET)
@@ -584,11 +587,18 @@ class _Builder:
         last = max(waits, key=pos.__getitem__) if waits else n
         where = f"{stage}:{last.name}"
         dev = handles[0].placement.compute_device
-        # on gloo, both collectives run as an exchange (``comm.exchanges``) with a (world, total) buffer of
-        # their own from the pool: an all-gather's send buffer, a reduce-scatter's receive buffer
-        exchange = flat_nbytes(world * total * item, dev) if _exchanges(handles[0], dev) else 0
+        # on gloo, both collectives run as an exchange (``comm.exchanges``) with a buffer of their own from
+        # the pool (``comm.exchange_numel``): an all-gather's send buffer (none at 2 ranks: it sends from
+        # its row of the output), a reduce-scatter's receive buffer
+        exchanging = _exchanges(handles[0], dev)
+        extra = (comm.exchange_numel("all_gather", total, world) if gather
+                 else comm.exchange_numel("reduce_scatter", world * total, world)) if exchanging else 0
+        exchange = flat_nbytes(extra * item, dev) if extra else 0
         if bucket:  # each rounded up as the runtime's pool hands them out (``tiers.flat_nbytes``)
-            packed = exchange if gather and exchange else flat_nbytes((1 if gather else world) * total * item, dev)
+            if gather:  # its packed shards: the exchange's send buffer, or a row of the output
+                packed = exchange if exchanging else flat_nbytes(total * item, dev)
+            else:
+                packed = flat_nbytes(world * total * item, dev)
             out = flat_nbytes((world if gather else 1) * total * item, dev)
             held = packed + out + (exchange if not gather else 0)
             self.extra.append(Interval(f"{stage}:{n.name}", "device", "comm", "bucket", held,

@@ -30,7 +30,7 @@ def main() -> None:
             sync = torch.full((per_rank,), float("nan"))
             comm.reduce_scatter_flat(sync, full, None)
             started = torch.full((per_rank,), float("nan"))
-            recv = torch.empty_like(full)
+            recv = torch.empty(comm.exchange_numel("reduce_scatter", full.numel(), world))
             pending = comm.reduce_scatter_flat(started, full, None, async_op=True, recv=recv)
             pending.wait()
             pending.wait()  # a second wait sums nothing again
@@ -51,15 +51,21 @@ def main() -> None:
         comm.all_gather_flat(sync, shard, None)
         own = shard.clone()
         started, calls = torch.full_like(ref, float("nan")), []
-        pending = comm.all_gather_flat(started, own, None, async_op=True, send=torch.empty(world * per_rank),
+        extra = comm.exchange_numel("all_gather", per_rank, world)
+        pending = comm.all_gather_flat(started, own, None, async_op=True, send=torch.empty(extra) if extra else None,
                                        then=lambda: calls.append(1))
-        own.fill_(float("nan"))  # the shard was copied into the send buffer as the exchange started ...
+        own.fill_(float("nan"))  # the shard was copied (send buffer, or its output row) as the exchange started ...
         pending.wait()
         pending.wait()  # ... and `then` runs once, at the first wait
-        send = torch.empty(world * per_rank)  # the shard packed straight into the send buffer's first row
-        send[:per_rank].copy_(shard)
         packed = torch.full_like(ref, float("nan"))
-        comm.all_gather_flat(packed, send[:per_rank], None, async_op=True, send=send).wait()
+        if extra:  # the shard packed straight into the send buffer's first row
+            send = torch.empty(extra)
+            send[:per_rank].copy_(shard)
+            comm.all_gather_flat(packed, send[:per_rank], None, async_op=True, send=send).wait()
+        else:  # 2 ranks: the shard packed straight into this rank's row of the output
+            row = packed.view(world, per_rank)[rank]
+            row.copy_(shard)
+            comm.all_gather_flat(packed, row, None, async_op=True).wait()
         rows.setdefault("gather", []).append({
             "sync_equal": torch.equal(sync, ref), "async_equal": torch.equal(started, ref),
             "packed_equal": torch.equal(packed, ref), "then": len(calls)})
@@ -73,6 +79,8 @@ def main() -> None:
     t0 = time.monotonic()
     comm.reduce_scatter_flat(late, full, None)
     rows["late_equal"], rows["late_waited_s"] = torch.equal(late, ref), time.monotonic() - t0
+    rows["recv_numel"] = comm.exchange_numel("reduce_scatter", full.numel(), world)
+    rows["send_numel"] = comm.exchange_numel("all_gather", 8, world)
     try:
         comm.reduce_scatter_flat(torch.empty(8), full, None, recv=torch.empty(3))
         rows["bad_recv"] = "no error"
