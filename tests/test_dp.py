@@ -105,8 +105,19 @@ def test_gpt_dp2_matches_single_process_eager(tmp_path):
 
 
 def test_gpt_dp2_with_tiling_matches_single_process_eager(tmp_path):
-    res = run_dp(tmp_path, {"compiler": "eager", "tiles": 3, "tile_threshold_bytes": 10_000})
+    dump = tmp_path / "dump"
+    res = run_dp(tmp_path, {"compiler": "eager", "tiles": 3, "tile_threshold_bytes": 10_000, "dump_dir": str(dump)})
     assert_matches_eager(res)
+    # dump_dir at dp 2: one folder per rank (a shared one had both ranks rewrite one index.json, and a
+    # rank that read it half-written fell back alone); `zinf inspect` on the root names them
+    from zinf_compile import inspect as zinspect
+
+    assert sorted(os.listdir(dump)) == ["rank0", "rank1"]
+    for r in ("rank0", "rank1"):
+        graphs = zinspect.load(str(dump / r)).graphs
+        assert graphs and all(g.snapshots for g in graphs), r
+    with pytest.raises(ValueError, match="one folder per rank"):
+        zinspect.load(str(dump))
     counts = res["counts"]
     # every tile is all-gathered and reduce-scattered on its own: 24 parameters, of which qkv, fc and
     # out (3 per layer) become 3 tiles each (each waited for alone, whether its collective is bucketed)

@@ -83,7 +83,8 @@ class Config:
         ``torch.autocast`` with that dtype, all-gathering parameters in it where every use is a cast,
         while master weights, gradient shards and optimizer state stay fp32.
     dump_dir: if set (or env ``ZINF_DUMP_DIR``), every graph after every pass is written there as
-        readable code, one folder per compiled graph.
+        readable code, one folder per compiled graph; with several ``torch.distributed`` processes,
+        under one ``rank<R>`` folder each.
     pass_code: keep the generated code of the graph after every pass in ``last_graphs()``, not only
         of each stage's last graph (op counts and zinf tags are kept for every pass either way). On
         whenever ``dump_dir`` or ``TORCH_TRACE`` is set; off by default because FX's code generation

@@ -120,6 +120,10 @@ def load(root: str) -> Dump:
     folders = [root] if os.path.exists(os.path.join(root, "index.json")) else sorted(
         os.path.join(root, d) for d in os.listdir(root) if os.path.exists(os.path.join(root, d, "index.json")))
     if not folders:
+        ranks = sorted(d for d in os.listdir(root) if d.startswith("rank") and os.path.isdir(os.path.join(root, d)))
+        if ranks:  # dp > 1: each process wrote its own folder (pipeline.dump_root)
+            raise ValueError(f"{root!r} holds one folder per rank ({', '.join(ranks)}): pass one of them, "
+                             f"e.g. zinf inspect {os.path.join(root, ranks[0])}")
         raise ValueError(f"no compiled graphs in {root!r}: expected graph_<id>_<name>/index.json folders "
                          "(compile with options={'dump_dir': ...} or ZINF_DUMP_DIR)")
     graphs = []

@@ -121,7 +121,7 @@ from .analytic import human_bytes
 from .config import TIER_OF, Config
 from .ops import (ALL_GATHER, CARRY, FETCH_SHARD, GATHER, GATHER_BUCKET, KEEP, REDUCE, REDUCE_BUCKET, REDUCE_GRAD, RELEASE, TICKET_OPS,
                   WAIT_GATHER, WAIT_REDUCE, WAIT_UPLOAD)
-from .pipeline import CompileRecord, compile_records
+from .pipeline import CompileRecord, compile_records, dump_root
 
 Bytes = Union[int, sympy.Expr]
 TIERS = ("device", "cpu", "nvme")
@@ -1210,8 +1210,9 @@ def memory_plan(
                            "call torch._dynamo.reset() and retry")
     plan = build_plan(records, optimizer=optimizer, hold_saved=hold_saved)
     plan.symbols.update(_input_symbols(records, argnames))
-    if cfg.dump_dir:
-        plan.save(str(cfg.dump_dir))
+    root = dump_root(cfg)
+    if root is not None:
+        plan.save(root)
     del cmodel, clone
     return plan
 

@@ -150,9 +150,23 @@ class CompileRecord:
         return g[-1] if g else None
 
     def dump_folder(self) -> Optional[str]:
-        if not self.config.dump_dir:
-            return None
-        return os.path.join(str(self.config.dump_dir), f"graph_{self.id:03d}_{self.name}")
+        root = dump_root(self.config)
+        return None if root is None else os.path.join(root, f"graph_{self.id:03d}_{self.name}")
+
+
+def dump_root(cfg: Config) -> Optional[str]:
+    """Where this process writes ``dump_dir``'s files: ``dump_dir`` itself, or ``dump_dir/rank<R>``
+    (global rank) when ``torch.distributed`` runs several processes. Why: every rank compiles the same
+    graphs under the same names, so one shared folder had two processes rewriting one ``index.json``,
+    and a rank that read it half-written failed its compile (JSONDecodeError) and fell back alone,
+    which its peers then refused as a different graph."""
+    if not cfg.dump_dir:
+        return None
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return os.path.join(str(cfg.dump_dir), f"rank{dist.get_rank()}")
+    return str(cfg.dump_dir)
 
 
 @dataclass
