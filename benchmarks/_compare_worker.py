@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import sys
 import time
 import traceback
@@ -62,6 +63,14 @@ def _io_bytes() -> Tuple[int, int]:
     with open("/proc/self/io") as f:
         io = dict(line.split(": ") for line in f.read().splitlines())
     return int(io["read_bytes"]), int(io["write_bytes"])
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process so far, every thread's (the compute, gloo's, the runtime's IO and copy
+    threads, DeepSpeed's): the work a row's step costs, which a shared machine's other load does not
+    change the way it changes the wall time."""
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
 
 
 def _rank_world() -> Tuple[int, int]:
@@ -226,11 +235,11 @@ def run(args: argparse.Namespace) -> None:
         print(f"{args.system}: {n_params:,} params, set up in {setup_s:.1f} s", file=sys.stderr, flush=True)
     times: List[float] = []
     losses: List[float] = []
-    io0 = (0, 0)
+    io0, cpu0 = (0, 0), 0.0
     hwm_before, steady = 0, False
     for i in range(1 + args.warmup + args.steps):
         if i == 1 + args.warmup:
-            io0 = _io_bytes()
+            io0, cpu0 = _io_bytes(), _cpu_s()
             # the peak so far (the compile's included); then the timed steps' own peak from here
             hwm_before, steady = _status_kib("VmHWM"), reset_hwm()
         x, y = make_batch(cfg, args.global_batch, seed=i)
@@ -245,16 +254,16 @@ def run(args: argparse.Namespace) -> None:
             print(f"step {i}: {times[-1]:.3f} s, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     hwm_steps = _status_kib("VmHWM")
     hwm = max(hwm_before, hwm_steps)  # the whole run's peak, as before the reset
-    io1 = _io_bytes()
-    io = [(b - a) / max(1, args.steps) for a, b in zip(io0, io1)]  # per timed step, this rank
+    io1, cpu = _io_bytes(), (_cpu_s() - cpu0) / max(1, args.steps)  # per timed step, this rank
+    io = [(b - a) / max(1, args.steps) for a, b in zip(io0, io1)]
     if args.nvme:  # what this row keeps on the disk: shows whether parameters really live there
         notes["nvme_folder_bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.nvme)
                                          for f in fs if os.path.isfile(os.path.join(d, f)))
     if world > 1:
         gathered: List[Any] = [None] * world
-        dist.all_gather_object(gathered, (times, losses, hwm, setup_s, io, hwm_steps if steady else None))
+        dist.all_gather_object(gathered, (times, losses, hwm, setup_s, io, hwm_steps if steady else None, cpu))
     else:
-        gathered = [(times, losses, hwm, setup_s, io, hwm_steps if steady else None)]
+        gathered = [(times, losses, hwm, setup_s, io, hwm_steps if steady else None, cpu)]
     if rank == 0:
         steps = [max(g[0][i] for g in gathered) for i in range(len(times))]
         mean_losses = [sum(g[1][i] for g in gathered) / world for i in range(len(times))]
@@ -269,6 +278,8 @@ def run(args: argparse.Namespace) -> None:
             # disk bytes per timed step, summed over ranks (/proc/self/io read_bytes, write_bytes)
             "disk_read_per_step": sum(g[4][0] for g in gathered),
             "disk_write_per_step": sum(g[4][1] for g in gathered),
+            # CPU seconds per timed step, summed over ranks (every thread of each rank's process)
+            "cpu_per_step_s": sum(g[6] for g in gathered),
             "torch": torch.__version__,
         }
         with open(args.out, "w") as f:

@@ -30,7 +30,9 @@ also lists the two rows' ratio in every round and how many rounds met the goal: 
 rows minutes apart, so its ratio carries less of the drift (the verdict stays the ratio of medians).
 
 Reported per row: the median of the timed steps (after the first step and ``--warmup`` steps), the
-first step (includes compilation), peak RSS as the sum over ranks and the largest rank (each rank's
+CPU seconds a timed step cost (user + system, every thread, summed over ranks; each goal line shows
+the two rows' ratio of it beside the verdict, which stays the step time's), the first step (includes
+compilation), peak RSS as the sum over ranks and the largest rank (each rank's
 ``VmHWM``; the torchrun launcher is not counted), the last loss, and ratios against Inductor. A row
 that fails keeps its place with its error's first line. Results merge by (size, row) into
 ``compare.json``: rows not re-run keep their numbers and their own timestamp and load average.
@@ -229,8 +231,10 @@ def combine_runs(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
         return ok[0]
     meds = [r["median_step_s"] for r in ok]
     middle = sorted(ok, key=lambda r: r["median_step_s"])[(len(ok) - 1) // 2]
+    cpus = [r["cpu_per_step_s"] for r in ok if r.get("cpu_per_step_s") is not None]
+    extra = dict(cpu_per_step_s=statistics.median(cpus), runs_cpu_per_step_s=cpus) if len(cpus) == len(ok) else {}
     return dict(middle, median_step_s=statistics.median(meds), runs_median_step_s=meds,
-                runs_at=[r["run_at"] for r in ok], failed_runs=failed)
+                runs_at=[r["run_at"] for r in ok], failed_runs=failed, **extra)
 
 
 def _step_cell(r: Dict[str, Any]) -> str:
@@ -252,6 +256,23 @@ def _disk_cell(r: Dict[str, Any]) -> str:
     if "disk_read_per_step" not in r:
         return "-"
     return f"{r['disk_read_per_step'] / 2**20:.0f} / {r['disk_write_per_step'] / 2**20:.0f}"
+
+
+def _cpu_cell(r: Dict[str, Any]) -> str:
+    """CPU seconds a timed step cost, every thread of every rank (``getrusage``); with ``--repeat`` the
+    median over the runs ("-": a row from before this column)."""
+    v = r.get("cpu_per_step_s")
+    return f"{v:.2f}" if v is not None else "-"
+
+
+def _cpu_ratio(ra: Dict[str, Any], rb: Dict[str, Any]) -> str:
+    """The two rows' CPU seconds a step, as a suffix of a goal line. Why: the wall-time ratio moves with
+    whatever else the shared host runs between two rows (a round's ratio of one pair ranged 0.65-1.03
+    in one run); the CPU a step costs moves far less, so it says whether a moving verdict is the
+    system or the machine. Shown beside the verdict, which stays the step time's, as the issue
+    defines it."""
+    a, b = ra.get("cpu_per_step_s"), rb.get("cpu_per_step_s")
+    return f"; CPU s a step {a:.2f} / {b:.2f} = {a / b:.2f}x" if a and b else ""
 
 
 def _steps_rss(r: Dict[str, Any]) -> str:
@@ -308,7 +329,7 @@ def goals(rows: Dict[str, Dict[str, Any]]) -> List[str]:
             out.append(f"n/a  {text}: {a} ran with the {ka} AdamW kernel, {b} with the {kb} one (--adam)")
         elif x and y:
             out.append(f"{'PASS' if x / y <= g and (g != 1.0 or x < y) else 'MISS'} {text}: {x / y:.2f}x"
-                       + _paired(rows[a], rows[b], g))
+                       + _paired(rows[a], rows[b], g) + _cpu_ratio(rows[a], rows[b]))
         else:
             out.append(f"n/a  {text}: a row did not run")
     offl = {r: v["rss_sum_mib"] for r, v in rows.items() if v.get("ok") and ("cpu" in r or "nvme" in r) and v["dp"] == 2}
@@ -339,7 +360,8 @@ def render(data: Dict[str, Any]) -> str:
         f"Step = median of {c['steps']} timed steps after the first step and {c['warmup']} warm-up step(s); "
         f"the first step includes compilation (cold Inductor cache per row). A row shown with \"N runs\" ran "
         f"N times round-robin with the others (--repeat): its step is the median of the runs' medians, its other "
-        f"figures those of that middle run. Peak RSS = VmHWM, summed over "
+        f"figures those of that middle run, but its CPU s/step, the runs' median. CPU s/step: the CPU seconds "
+        f"(user + system, every thread) a timed step cost, summed over ranks. Peak RSS = VmHWM, summed over "
         f"ranks / largest rank; the timed steps' peak resets VmHWM after the warm-up, so it leaves out the "
         f"first step's compile. Ratios are against Inductor (dp 1, no sharding) of the same size.", "",
         f"Load average (1, 5, 15 min) at start {data['loadavg_start']}, at end {data['loadavg_end']}; "
@@ -353,23 +375,24 @@ def render(data: Dict[str, Any]) -> str:
         n = next((r["params"] for r in rows.values() if r.get("ok")), _params(data["sizes"][size]))
         lines += [f"## {size}: GPT-style, {n / 1e6:.1f}M params, global batch {anyrow['global_batch']} x "
                   f"{anyrow['seq']} tokens", "",
-                  "| system | dp | step s | x Ind. | first step s | x Ind. | peak RSS MiB (sum) | timed steps' peak "
-                  "RSS MiB (sum) | max/rank | x Ind. | disk MiB/step read / write | last loss | run at (load 1m) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| system | dp | step s | x Ind. | CPU s/step (sum) | first step s | x Ind. | peak RSS MiB (sum) | "
+                  "timed steps' peak RSS MiB (sum) | max/rank | x Ind. | disk MiB/step read / write | last loss | "
+                  "run at (load 1m) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in ROWS:
             if row not in rows:  # never dropped silently: the row is listed with why it has no numbers
                 lines.append(f"| {LABELS[row]} | {ROWS[row][1]} | not run: no result recorded (not requested, or the "
-                             f"run stopped before it) | | | | | | | | | | |")
+                             f"run stopped before it) | | | | | | | | | | | |")
                 continue
             r = rows[row]
             when = f"{r['run_at'][11:16]} ({r['loadavg_before'][0]:.1f})"
             if not r.get("ok"):
-                lines.append(f"| {r['label']} | {r['dp']} | not run: {r['why'].replace('|', '/')} | | | | | | | | | | {when} |")
+                lines.append(f"| {r['label']} | {r['dp']} | not run: {r['why'].replace('|', '/')} | | | | | | | | | | | {when} |")
                 continue
             label = r["label"] + (" [fused AdamW]" if r.get("adam") == "fused" else "")
             lines.append(
                 f"| {label} | {r['dp']} | {_step_cell(r)} | {_ratio(r['median_step_s'], ref.get('median_step_s'))} "
-                f"| {r['first_step_s']:.1f} | {_ratio(r['first_step_s'], ref.get('first_step_s'))} "
+                f"| {_cpu_cell(r)} | {r['first_step_s']:.1f} | {_ratio(r['first_step_s'], ref.get('first_step_s'))} "
                 f"| {r['rss_sum_mib']:.0f} | {_steps_rss(r)} | {r['rss_max_mib']:.0f} "
                 f"| {_ratio(r['rss_sum_mib'], ref.get('rss_sum_mib'))} "
                 f"| {_disk_cell(r)} | {r['losses'][-1]:.4f} | {when} |")
@@ -377,7 +400,7 @@ def render(data: Dict[str, Any]) -> str:
             if row not in ROWS:  # from an older compare.py with other row names: shown, not dropped
                 lines.append(f"| {row} (row name unknown to this compare.py) | {rows[row].get('dp', '?')} | "
                              f"{'%.3f' % rows[row]['median_step_s'] if rows[row].get('ok') else 'not run'} "
-                             f"| | | | | | | | | |")
+                             f"| | | | | | | | | | |")
         setups = {(r["global_batch"], r.get("warmup"), r.get("steps"), r["dp"], r["threads_per_rank"]) for r in rows.values()}
         if len({(b, w, n) for b, w, n, _, _ in setups}) > 1 or len({(d, t) for _, _, _, d, t in setups}) > 2:
             lines += ["", "**Rows of this size come from runs with different settings** (global batch, warm-up, "

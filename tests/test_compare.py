@@ -50,6 +50,8 @@ def test_measured_rows_have_their_fields(quick_run):
         assert r["rss_sum_mib"] >= r["rss_max_mib"] > 0
         assert len(r["losses"]) == 4
         assert r["disk_read_per_step"] >= 0 and r["disk_write_per_step"] >= 0  # /proc/self/io, per timed step
+        # getrusage over the timed steps: a step costs CPU, at most the machine's cores for its wall time
+        assert 0 < r["cpu_per_step_s"] <= (os.cpu_count() or 1) * sum(r["step_s"]) + 0.05, r
         # the timed steps' own peak (VmHWM reset after the warm-up): never above the whole run's
         steps = r["rss_hwm_steps_kib"]
         assert steps is not None and len(steps) == 1 and 0 < steps[0] <= r["rss_hwm_kib"][0]
@@ -59,7 +61,7 @@ def test_measured_rows_have_their_fields(quick_run):
     assert max(first) - min(first) < 1e-5, first
     for field in ("cpu", "cores", "ram_gib", "disk"):
         assert field in data["machine"]
-    assert "disk MiB/step read / write" in md and "timed steps' peak RSS" in md
+    assert "disk MiB/step read / write" in md and "timed steps' peak RSS" in md and "CPU s/step (sum)" in md
     assert "Machine:" in md and "Load average" in md and "Global batch 4" in md
 
 

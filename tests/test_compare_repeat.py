@@ -76,3 +76,17 @@ def test_a_goal_over_repeated_rounds_shows_each_rounds_ratio(compare):
     rows["ds-nvme"]["failed_runs"] = ["timed out"]  # the rounds no longer pair
     line = next(g for g in compare.goals(rows) if g.split(" ", 1)[1].startswith("zinf NVMe"))
     assert line.endswith(": 0.81x")
+
+
+def test_a_goal_shows_the_rows_cpu_per_step_beside_the_verdict(compare):
+    """The CPU a step costs (every thread, every rank) rides on the goal line; with ``--repeat`` a row's
+    is the median over its runs, not the middle run's; the verdict stays the step time's."""
+    runs = [dict(_run(s, 1.0, "a"), cpu_per_step_s=c) for s, c in ((1.3, 2.0), (1.1, 2.4), (1.2, 2.2))]
+    row = compare.combine_runs(runs)
+    assert row["cpu_per_step_s"] == 2.2 and row["runs_cpu_per_step_s"] == [2.0, 2.4, 2.2]
+    assert compare._cpu_cell(row) == "2.20" and compare._cpu_cell(_run(1.0, 1.0, "a")) == "-"
+    rows = {"zinf-cpu-dp2": dict(_run(1.0, 40.0, "a"), cpu_per_step_s=1.8, dp=2, rss_sum_mib=900, adam="default"),
+            "fsdp2-cpu": dict(_run(1.05, 1.0, "b"), cpu_per_step_s=2.4, dp=2, rss_sum_mib=1000, adam="default")}
+    line = next(g for g in compare.goals(rows) if "FSDP2" in g)
+    assert line == ("MISS zinf CPU offload (dp 2) <= 0.9x FSDP2 CPUOffloadPolicy: 0.95x; "
+                    "CPU s a step 1.80 / 2.40 = 0.75x")
