@@ -472,6 +472,8 @@ def test_dp2_plan_counts_collective_buffers(tmp_path):
         bucketed, alone = rank_rows
         assert bucketed["comm_intervals"]["bucket"] > 0 and "bucket" not in alone["comm_intervals"]
         assert alone["comm_intervals"]["exchange"] > 0 and "exchange" not in bucketed["comm_intervals"]
+        # a shard read in place is copied into the exchange's output row at 2 ranks: no copy of its own
+        assert not any("collective_input" in r["comm_intervals"] for r in rank_rows), rank_rows
         for r in rank_rows:
             assert r["plan_bucket"] == r["runtime_bucket"] and r["comm_after"] == 0, r  # freed with the last wait
             # ... even while every collective's tensors stay referenced (a slow gloo worker thread)

@@ -604,9 +604,10 @@ class _Builder:
             self.extra.append(Interval(f"{stage}:{n.name}", "device", "comm", "bucket", held,
                                        pos[n], pos[last], where, (), None))
             return
-        if exchange:
-            self.extra.append(Interval(f"{stage}:{n.name}", "device", "comm", "exchange", exchange,
-                                       pos[n], pos[last], where, (), handles[0].name))
+        if exchanging:  # its shard is copied into the exchange's own buffer (none at 2 ranks: the output's row)
+            if exchange:
+                self.extra.append(Interval(f"{stage}:{n.name}", "device", "comm", "exchange", exchange,
+                                           pos[n], pos[last], where, (), handles[0].name))
         elif gather and handles[0].reads_in_place():
             # a shard read in place is copied for its collective (``ParamHandle.collective_input``)
             self.extra.append(Interval(f"{stage}:{n.name}", "device", "comm", "collective_input", total * item,
