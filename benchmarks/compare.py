@@ -267,10 +267,10 @@ def _cpu_cell(r: Dict[str, Any]) -> str:
 
 def _cpu_ratio(ra: Dict[str, Any], rb: Dict[str, Any]) -> str:
     """The two rows' CPU seconds a step, as a suffix of a goal line. Why: the wall-time ratio moves with
-    whatever else the shared host runs between two rows (a round's ratio of one pair ranged 0.65-1.03
-    in one run); the CPU a step costs moves far less, so it says whether a moving verdict is the
-    system or the machine. Shown beside the verdict, which stays the step time's, as the issue
-    defines it."""
+    whatever else the shared host runs between two rows (a round's ratio of one pair ranged 0.65-1.26
+    over two runs); the CPU a step costs moves less (not nothing: one row's went from 0.88 to 1.15
+    CPU-s per rank in runs an hour apart), so it helps tell the system from the machine. Shown beside
+    the verdict, which stays the step time's, as the issue defines it."""
     a, b = ra.get("cpu_per_step_s"), rb.get("cpu_per_step_s")
     return f"; CPU s a step {a:.2f} / {b:.2f} = {a / b:.2f}x" if a and b else ""
 
