@@ -283,8 +283,7 @@ class ShardedOptimizerMixin:
                 for current in _slices(loaded, STEP_SLICE_BYTES):  # its writes go out while the next slice steps
                     lists: List[list] = [[] for _ in self.param_groups]
                     for gi, u, master, grad, buf, handles in current:
-                        for h in handles:
-                            h.wait()
+                        _wait_reads(handles, u.context.transfers)
                         master.grad = grad.t if isinstance(grad, _Borrowed) else grad
                         state = u.optim_state.views(buf)  # torch steps these views of the read buffer in place
                         state.update(u.optim_small)
@@ -473,6 +472,26 @@ def _slices(items: list, nbytes: int) -> List[list]:
         out[-1].append(it)
         size += b
     return out if out[0] else []
+
+
+def _wait_reads(handles: list, transfers: "transfer.TransferEngine") -> None:
+    """Wait for a unit's optimizer reads (master, gradient, moments); with a step trace, record each
+    read in the ``nvme_read`` lane (submitted to finished) and the time blocked in the ``wait`` lane.
+
+    Why here: a fetch's read is traced by its transfer ticket, but the optimizer reads its state with
+    the swap engine directly, so before this an NVMe step's trace showed none of the reads its
+    optimizer waited for."""
+    if transfers.tracer is None:
+        for h in handles:
+            h.wait()
+        return
+    for h in handles:
+        t0 = time.perf_counter()
+        h.wait()
+        t1 = time.perf_counter()
+        transfers.trace_span("nvme_read", h.key, h.t_start, h.t_done, nbytes=h.nbytes)
+        if t1 - t0 > 20e-6:  # as transfer.finish: shorter is the wait call itself
+            transfers.trace_span("wait", f"wait nvme_read {h.key}", t0, t1)
 
 
 class _Borrowed:
