@@ -90,6 +90,82 @@ def test_lightning_fit_validate_resume_and_checkpoint_match_eager(tmp_path):
         assert torch.equal(a.reshape(b.shape), b)
 
 
+class _LitTwoOptimizers(LitGPT):
+    """Manual optimization with two optimizers over disjoint parameters (the blocks; the embeddings,
+    the final norm and the head), as GAN or encoder/decoder loops are written: both ``zero_grad``,
+    one ``manual_backward``, Lightning's ``clip_gradients`` on one, then both ``step``."""
+
+    def __init__(self, options: dict | None) -> None:
+        super().__init__(options)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        a, b = self.optimizers()
+        loss = self(*batch)
+        self.train_losses.append(loss.detach().clone())
+        a.zero_grad()
+        b.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(a, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        a.step()
+        b.step()
+        return loss
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        named = list(getattr(self.net, "_orig_mod", self.net).named_parameters())
+        blocks = [p for n, p in named if n.startswith("blocks.")]
+        rest = [p for n, p in named if not n.startswith("blocks.")]
+        return [torch.optim.SGD(blocks, lr=0.1, momentum=0.9), torch.optim.SGD(rest, lr=0.05)]
+
+
+class _LitAutocast(LitGPT):
+    """Records whether each training step ran under CPU autocast (``precision="bf16-mixed"``)."""
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        self.val_modes.append(torch.is_autocast_enabled("cpu"))
+        return super().training_step(batch, batch_idx)
+
+
+_LOOPS = {
+    # micro-batches accumulated by Lightning (no zero_grad between them), clipped once per step
+    "accumulate_grad_batches": (LitGPT, dict(accumulate_grad_batches=2, gradient_clip_val=0.05), 4, 8),
+    # torch.autocast("cpu", bfloat16) around forward; fp32 master weights, as eager's AMP
+    "bf16-mixed": (_LitAutocast, dict(precision="bf16-mixed", gradient_clip_val=0.05), 4, 4),
+    # max_steps counts each optimizer's step: 8 steps are 4 batches
+    "two_optimizers": (_LitTwoOptimizers, {}, 8, 4),
+}
+
+
+@pytest.mark.parametrize("loop", sorted(_LOOPS))
+def test_lightning_loop_variants_match_eager(tmp_path, loop):
+    """Three more things Lightning users turn on, each bitwise eager's with params and optimizer on NVMe
+    (dp 1, ``compiler="eager"``: the same ops in the same order): gradient accumulation, bf16 autocast,
+    and manual optimization with two optimizers over one compiled network."""
+    cls, extra, max_steps, n_losses = _LOOPS[loop]
+    (tmp_path / "swap").mkdir()
+    options = {"compiler": "eager", "offload_params": "nvme", "offload_optimizer": "nvme",
+               "nvme_path": str(tmp_path / "swap")}
+    runs = {}
+    for name, opts in (("eager", None), ("zinf", options)):
+        module = cls(opts)
+        init = {k: v.clone() for k, v in _plain(module.state_dict()).items()}  # before the first forward partitions it
+        pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                   enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                   default_root_dir=str(tmp_path / name), **extra).fit(module, _loader(range(8), 4))
+        final = _plain(zinf_compile.full_state_dict(module)) if opts else module.state_dict()
+        runs[name] = (module, init, final)
+    (ref, init, want), (got, _, final) = runs["eager"], runs["zinf"]
+    assert len(got.train_losses) == len(ref.train_losses) == n_losses
+    assert torch.equal(torch.stack(got.train_losses), torch.stack(ref.train_losses))
+    assert final.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(final[k], v), k
+    moved = {k for k, v in want.items() if not torch.equal(v, init[k])}
+    assert {"net.tok.weight", "net.blocks.0.qkv.weight"} <= moved, moved  # both optimizers' parameters stepped
+    if loop == "bf16-mixed":
+        assert got.val_modes == ref.val_modes == [True] * 4
+
+
 def test_lightning_at_dp2_with_zinf_strategy_matches_ddp(tmp_path):
     """``Trainer(devices=2, strategy=ZinfStrategy())`` under torchrun against eager DDP
     (``strategy="ddp"``) on the same module, data split and steps (tests/workers/lightning_dp.py): fit
