@@ -227,7 +227,12 @@ class ShardedOptimizerMixin:
                 else:
                     ready[u.uid] = e
                     first.append((gi, u))
-            items = first + rest  # prefetched units first: their data is in memory already
+            # prefetched units first, their data in memory or on its way, and in the order their
+            # gradients became final, which is the order their reads started: the last unit's read
+            # (on a GPT, the tied embedding's, final at the very end of backward) then finishes while
+            # the others step, instead of first in line (19 ms of a 25M step's 144 waited for it)
+            first.sort(key=lambda item: ready[item[1].uid].seq)
+            items = first + rest
             if not items:
                 return
         budget = items[0][1].placement.sub_group_bytes

@@ -56,6 +56,7 @@ compute stream; only ``cpu`` and ``nvme`` optimizer tiers take part.
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
 import weakref
@@ -66,6 +67,8 @@ import torch
 from . import packed_state, tiers
 from .read_cache import ReadCache
 from .transfer import Job, Lane
+
+_SEQ = itertools.count()  # Entry.seq: only compared, never reset (a shared counter keeps it unique)
 
 #: optimizer tiers each feature applies to
 PREFETCH_TIERS = ("nvme",)
@@ -147,6 +150,7 @@ class Entry:
         self.unit = unit
         self.gi = gi
         self.nbytes = nbytes  # host bytes reserved under the cap
+        self.seq = next(_SEQ)  # when its gradient became final: the step takes prefetched units in this order
         self.gv = unit.grad_version
         self.sv = unit.state_version
         self.grad: Optional[torch.Tensor] = None

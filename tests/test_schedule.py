@@ -231,7 +231,12 @@ def test_trace_shows_transfers_under_compute(tmp_path):
     # the optimizer's own reads of the moments it wrote the step before (not through fetch tickets)
     state_reads = [e for e in events if e.get("cat") == "nvme_read" and e["name"].endswith(".optim")]
     assert state_reads and all(e["args"]["nbytes"] > 0 for e in state_reads), state_reads[:3]
-    assert {e["name"] for e in state_reads} == {e["name"] for e in writes if e["name"].endswith(".optim")}
+    state_writes = [e for e in writes if e["name"].endswith(".optim")]
+    assert {e["name"] for e in state_reads} == {e["name"] for e in state_writes}
+    # the step takes units in the order their reads started (their gradients became final), so the
+    # last read, started at the end of backward, finishes while the others step
+    by_start = [e["name"] for e in sorted(state_reads, key=lambda e: e["ts"])]
+    assert [e["name"] for e in sorted(state_writes, key=lambda e: e["ts"])] == by_start
     assert json.loads(path.read_text())["otherData"]["step"] == 1  # the second step, after compile
     names = {e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"}
     assert {"compute", "nvme_read", "nvme_write", "h2d", "d2h", "all_gather", "reduce_scatter", "optimizer"} <= names
