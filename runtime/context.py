@@ -281,6 +281,7 @@ def reset_peak_memory_stats(model: Any = None) -> None:
 
 def _trace_write(transfers: TransferEngine, h: Any) -> None:
     """A finished swap write, as a span of the step trace's ``nvme_write`` lane (reads are traced
-    by their transfer tickets, from start to wait)."""
+    where they are waited for: a fetch's by its transfer ticket, the optimizer's by
+    ``optim._wait_reads``)."""
     if h.kind == "write" and transfers.tracer is not None:
         transfers.trace_span("nvme_write", h.key, h.t_start, h.t_done, nbytes=h.nbytes)

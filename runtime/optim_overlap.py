@@ -68,8 +68,6 @@ from . import packed_state, tiers
 from .read_cache import ReadCache
 from .transfer import Job, Lane
 
-_SEQ = itertools.count()  # Entry.seq: only compared, never reset (a shared counter keeps it unique)
-
 #: optimizer tiers each feature applies to
 PREFETCH_TIERS = ("nvme",)
 STEP_TIERS = ("cpu", "nvme")
@@ -146,11 +144,11 @@ class _PrivateWrites:
 class Entry:
     """The work started for one unit since its gradient became final."""
 
-    def __init__(self, unit: Any, gi: int, nbytes: int) -> None:
+    def __init__(self, unit: Any, gi: int, nbytes: int, seq: int = 0) -> None:
         self.unit = unit
         self.gi = gi
         self.nbytes = nbytes  # host bytes reserved under the cap
-        self.seq = next(_SEQ)  # when its gradient became final: the step takes prefetched units in this order
+        self.seq = seq  # when its gradient became final: the step takes prefetched units in this order
         self.gv = unit.grad_version
         self.sv = unit.state_version
         self.grad: Optional[torch.Tensor] = None
@@ -178,6 +176,7 @@ class OptimizerOverlap:
         self._opt = weakref.ref(optimizer)
         self._lock = threading.Lock()
         self._entries: Dict[int, Entry] = {}
+        self._seq = itertools.count()  # Entry.seq
         self._group_of: Dict[int, int] = {}
         self._jobs: List[Job] = []
         self._lane: Optional[Lane] = None
@@ -251,7 +250,7 @@ class OptimizerOverlap:
                 return
             self.held_bytes += nbytes
             self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
-            e = Entry(u, gi, nbytes)
+            e = Entry(u, gi, nbytes, next(self._seq))
             self._entries[u.uid] = e
         pool = u.context.pool
         if borrow:
