@@ -121,8 +121,12 @@ class _LitTwoOptimizers(LitGPT):
 class _LitAutocast(LitGPT):
     """Records whether each training step ran under CPU autocast (``precision="bf16-mixed"``)."""
 
+    def __init__(self, options: dict | None) -> None:
+        super().__init__(options)
+        self.autocast: list = []
+
     def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
-        self.val_modes.append(torch.is_autocast_enabled("cpu"))
+        self.autocast.append(torch.is_autocast_enabled("cpu"))
         return super().training_step(batch, batch_idx)
 
 
@@ -163,7 +167,7 @@ def test_lightning_loop_variants_match_eager(tmp_path, loop):
     moved = {k for k, v in want.items() if not torch.equal(v, init[k])}
     assert {"net.tok.weight", "net.blocks.0.qkv.weight"} <= moved, moved  # both optimizers' parameters stepped
     if loop == "bf16-mixed":
-        assert got.val_modes == ref.val_modes == [True] * 4
+        assert got.autocast == ref.autocast == [True] * 4
 
 
 def test_lightning_at_dp2_with_zinf_strategy_matches_ddp(tmp_path):
