@@ -29,6 +29,14 @@ between runs on this VM, more than some of the differences the goals ask about. 
 also lists the two rows' ratio in every round and how many rounds met the goal: a round runs its
 rows minutes apart, so its ratio carries less of the drift (the verdict stays the ratio of medians).
 
+``--interleave ROUNDS`` (default 8): after a size's rows, the goals whose two systems can share one
+process (Inductor and zinf without offload at dp 1; FSDP2 ``CPUOffloadPolicy`` and zinf's CPU offload
+at dp 2) are measured again with both built in one process and their steps alternating
+(``benchmarks/ab_overhead.py``). Each such goal gets a second line: the median of the rounds' ratios
+and its quartiles, beside the fresh-process ratio. Why: a process's speed here follows the machine's
+drift for minutes, so runs of the same code minutes apart differed by up to 13%, more than a 5%
+goal's margin; interleaved steps see the same machine (``benchmarks/_interleaved.py``).
+
 Reported per row: the median of the timed steps (after the first step and ``--warmup`` steps), the
 CPU seconds a timed step cost (user + system, every thread, summed over ranks; each goal line shows
 the two rows' ratio of it beside the verdict, which stays the step time's), the first step (includes
@@ -57,6 +65,9 @@ import time
 from typing import Any, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _interleaved  # noqa: E402  (imports no torch either)
+
 WORKER = os.path.join(HERE, "_compare_worker.py")
 ADAM_KINDS = ("default", "fused")  # the worker's (_compare_worker.ADAM_KINDS; not imported: it imports torch)
 
@@ -405,8 +416,23 @@ def render(data: Dict[str, Any]) -> str:
         if len({(b, w, n) for b, w, n, _, _ in setups}) > 1 or len({(d, t) for _, _, _, d, t in setups}) > 2:
             lines += ["", "**Rows of this size come from runs with different settings** (global batch, warm-up, "
                       "timed steps or threads): see each row in compare.json before comparing them."]
-        lines += [""] + [f"- {g}" for g in goals(rows)] + [""]
+        lines += [""] + [f"- {g}" for g in goals(rows)]
+        lines += [f"- {g}" for g in interleaved_goals(rows, data.get("interleaved", {}).get(size, {}))] + [""]
     return "\n".join(lines) + "\n"
+
+
+def interleaved_goals(rows: Dict[str, Dict[str, Any]], inter: Dict[str, Dict[str, Any]]) -> List[str]:
+    """The goals measured again with both systems in one process (``--interleave``), each beside the
+    fresh-process ratio of the same goal; see ``benchmarks/_interleaved.py``."""
+    out = []
+    for pair in _interleaved.PAIRS:
+        res = inter.get(pair[1])
+        if res is None:
+            continue
+        a, b = rows.get(pair[1], {}), rows.get(pair[2], {})
+        fresh = a["median_step_s"] / b["median_step_s"] if a.get("ok") and b.get("ok") else None
+        out.append(_interleaved.goal_line(res, fresh))
+    return out
 
 
 # row names of the first compare.py (before they were made unambiguous): renamed when a JSON is loaded
@@ -447,6 +473,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per row")
     ap.add_argument("--repeat", type=int, default=1, help="run the rows this many times, round-robin; a row's "
                                                           "step is the median of its runs' medians (default 1)")
+    ap.add_argument("--interleave", type=int, default=8, metavar="ROUNDS",
+                    help="after a size's rows, measure the goals whose two systems can share a process "
+                         "(Inductor vs zinf at dp 1, FSDP2 vs zinf CPU offload at dp 2) with their steps "
+                         "alternating, ROUNDS rounds (benchmarks/_interleaved.py); run when both rows are "
+                         "selected; 0: never (default 8)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for compare.json / compare.md / logs")
     ap.add_argument("--adam", default="default", choices=ADAM_KINDS,
                     help="the torch AdamW kernel of the eager, Inductor, FSDP2 and zinf rows: torch's default "
@@ -459,6 +490,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args.global_batch = args.global_batch or 4
     args.warmup = 1 if args.warmup is None else args.warmup
     args.steps = args.steps or (2 if args.quick else 3)
+    if args.interleave < 0:
+        raise SystemExit(f"--interleave {args.interleave}: must be 0 (off) or a number of rounds")
     if args.repeat < 1:
         raise SystemExit(f"--repeat {args.repeat}: must be at least 1")
     if args.global_batch % 2:
@@ -481,7 +514,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     cmd = "python benchmarks/compare.py " + " ".join(argv if argv is not None else sys.argv[1:])
     data.update(machine=machine(os.path.abspath(args.nvme_dir)), command=cmd.strip(), sizes=SIZES,
                 config={"global_batch": args.global_batch, "warmup": args.warmup, "steps": args.steps,
-                        "repeat": args.repeat,
+                        "repeat": args.repeat, "interleave": args.interleave,
                         "threads_dp1": args.threads_dp1, "threads_dp2": args.threads_dp2,
                         "adamw": {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
                         "adam": args.adam},
@@ -515,6 +548,23 @@ def main(argv: Optional[List[str]] = None) -> int:
                     data["loadavg_end"] = loadavg()
                     with open(path, "w") as f:  # after every row: an interrupted run keeps what it measured
                         json.dump(data, f, indent=1)
+            for pair in _interleaved.PAIRS if args.interleave else ():
+                if pair[1] not in rows or pair[2] not in rows:
+                    continue
+                threads = args.threads_dp1 if pair[4] == 1 else args.threads_dp2
+                print(f"[{time.strftime('%H:%M:%S')}] {size} interleaved: {pair[2]} and {pair[1]} in one process "
+                      f"(dp {pair[4]}), {args.interleave} rounds ...", flush=True)
+                try:
+                    res = _interleaved.run_pair(pair, size, args.interleave, args.global_batch, threads, args.adam,
+                                                args.timeout, _env(threads), free_port=_free_port,
+                                                log_path=os.path.join(args.out, "logs", f"{size}-interleaved-{pair[1]}.log"))
+                except KeyboardInterrupt:
+                    data["interrupted_at"] = f"{size} interleaved {pair[1]} {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}"
+                    return _write(data, args.out, path, status=130)
+                data.setdefault("interleaved", {}).setdefault(size, {})[pair[1]] = res
+                print("    " + _interleaved.goal_line(res, None), flush=True)
+                with open(path, "w") as f:
+                    json.dump(data, f, indent=1)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     data.pop("interrupted_at", None)
