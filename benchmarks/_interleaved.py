@@ -16,7 +16,9 @@ Only pairs that can share a process without changing either side are interleaved
 zinf without offload at dp 1 (zinf starts no thread there), FSDP2 ``CPUOffloadPolicy`` and zinf's
 CPU offload at dp 2 (zinf's copy and IO threads sleep on their queues while FSDP2 steps). DeepSpeed
 is not: its engine owns process-wide state (its accelerator, its own process-group setup, aio
-threads). What interleaving cannot show (first step, peak RSS) stays in the fresh-process table.
+threads). What interleaving cannot show (first step, peak RSS) stays in the fresh-process table. Each system
+also runs alone in a process of its own, beside the pair, so a line shows whether sharing a process
+changed either side (it did on 2026-12-05, to FSDP2; it did not on 2026-12-07).
 Every step here reuses one batch; the table's rows step a new batch each time.
 """
 
@@ -42,22 +44,17 @@ PAIRS: List[Tuple[str, str, str, float, int, str, str]] = [
 ]
 
 
-def run_pair(pair: Tuple[str, str, str, float, int, str, str], size: str, rounds: int, global_batch: int,
-             threads: int, adam: str, timeout: float, env: Dict[str, str], log_path: str,
-             free_port: Callable[[], int]) -> Dict[str, Any]:
-    """Run ``ab_overhead.py`` for one pair; its JSON plus when and how it ran, or ``ok: False`` and why."""
-    text, zrow, prow, goal, dp, peer, zinf = pair
+def _ab_run(variants: List[str], dp: int, env: Dict[str, str], timeout: float, log_path: str,
+            free_port: Callable[[], int]) -> Tuple[Optional[Dict[str, Any]], str, List[str]]:
+    """One ``ab_overhead.py`` process over ``variants``: (its JSON or None, why not, the command as shown)."""
     with tempfile.TemporaryDirectory(prefix="zinf-interleave-") as tmp:
         out = os.path.join(tmp, "ab.json")
-        run_env = dict(env, SIZE=size, ROUNDS=str(rounds), BATCH=str(global_batch), THREADS=str(threads),
-                       ADAM=adam, JSON=out)
-        cmd = [sys.executable, AB, peer, zinf] if dp == 1 else [
+        cmd = [sys.executable, AB, *variants] if dp == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(dp),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), AB, peer, zinf]
-        t0 = time.time()
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), AB, *variants]
         # its own session, as compare.py's rows: a timeout or an interrupt kills torchrun's ranks too
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                             env=run_env, cwd=os.path.dirname(HERE))
+                             env=dict(env, JSON=out), cwd=os.path.dirname(HERE))
         rc: Optional[int]
         try:
             log, _ = p.communicate(timeout=timeout)
@@ -70,18 +67,43 @@ def run_pair(pair: Tuple[str, str, str, float, int, str, str], size: str, rounds
             p.wait()
             raise
         shown = (["python", "benchmarks/ab_overhead.py"] if dp == 1 else
-                 ["torchrun", "--nproc-per-node", str(dp), "benchmarks/ab_overhead.py"]) + [peer, f"'{zinf}'" if "{" in zinf else zinf]
-        with open(log_path, "w") as f:
-            f.write(" ".join(cmd) + "\n\n" + log)
-        base = {"goal": text, "zinf_row": zrow, "peer_row": prow, "goal_ratio": goal, "dp": dp,
-                "command": f"SIZE={size} ROUNDS={rounds} BATCH={global_batch} THREADS={threads} ADAM={adam} " + " ".join(shown),
-                "run_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0)), "wall_s": round(time.time() - t0, 1)}
+                 ["torchrun", "--nproc-per-node", str(dp), "benchmarks/ab_overhead.py"]) + [
+                     f"'{v}'" if "{" in v else v for v in variants]
+        with open(log_path, "a") as f:
+            f.write(" ".join(cmd) + "\n\n" + log + "\n")
         if rc != 0 or not os.path.exists(out):
             lines = [ln for ln in log.splitlines() if "Error" in ln and ":" in ln]
-            why = "timed out" if rc is None else (lines[-1].strip() if lines else f"exit status {rc}")
-            return dict(base, ok=False, why=why[:300])
+            return None, "timed out" if rc is None else (lines[-1].strip() if lines else f"exit status {rc}")[:300], shown
         with open(out) as f:
-            return dict(base, ok=True, **json.load(f))
+            return json.load(f), "", shown
+
+
+def run_pair(pair: Tuple[str, str, str, float, int, str, str], size: str, rounds: int, global_batch: int,
+             threads: int, adam: str, timeout: float, env: Dict[str, str], log_path: str,
+             free_port: Callable[[], int]) -> Dict[str, Any]:
+    """Run ``ab_overhead.py`` for one pair: its JSON plus when and how it ran, or ``ok: False`` and why.
+
+    Each system also runs alone in a process of its own, the peer just before the pair and zinf just
+    after (``alone``: their median steps). Why: on 2026-12-05 FSDP2 stepped 1.02 s beside zinf in one
+    process and 0.79 s alone (README, "two traps"), which made zinf look faster than it was. A
+    system markedly slower together than alone shows that the shared process, not zinf, made the ratio.
+    """
+    text, zrow, prow, goal, dp, peer, zinf = pair
+    run_env = dict(env, SIZE=size, ROUNDS=str(rounds), BATCH=str(global_batch), THREADS=str(threads), ADAM=adam)
+    open(log_path, "w").close()
+    t0 = time.time()
+    alone_peer, _, _ = _ab_run([peer], dp, run_env, timeout, log_path, free_port)
+    res, why, shown = _ab_run([peer, zinf], dp, run_env, timeout, log_path, free_port)
+    alone_zinf, _, _ = _ab_run([zinf], dp, run_env, timeout, log_path, free_port)
+    base = {"goal": text, "zinf_row": zrow, "peer_row": prow, "goal_ratio": goal, "dp": dp,
+            "command": f"SIZE={size} ROUNDS={rounds} BATCH={global_batch} THREADS={threads} ADAM={adam} " + " ".join(shown),
+            "run_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0)), "wall_s": round(time.time() - t0, 1),
+            # each system's median step in a process of its own (None: that run failed; see the log)
+            "alone": {name: (next(iter(r["variants"].values()))["median_step_s"] if r else None)
+                      for name, r in ((peer.split("=")[0], alone_peer), (zinf.split("=")[0], alone_zinf))}}
+    if res is None:
+        return dict(base, ok=False, why=why)
+    return dict(base, ok=True, **res)
 
 
 def goal_line(res: Dict[str, Any], fresh: Optional[float]) -> str:
@@ -99,5 +121,10 @@ def goal_line(res: Dict[str, Any], fresh: Optional[float]) -> str:
     # peer and flatter the ratio: said whenever there was any
     spill = res["variants"][res["baseline"]].get("zinf_threads_cpu_per_step_s", 0.0)
     spill_text = f"; zinf's threads used {spill:.3f} CPU s a step inside the peer's steps" if spill > 0 else ""
+    alone = res.get("alone") or {}
+    alone_text = "; step together / alone in a process: " + ", ".join(
+        f"{n} {v['median_step_s']:.3f} / {alone[n]:.3f} s" for n, v in res["variants"].items()
+        if alone.get(n)) if any(alone.get(n) for n in res["variants"]) else ""
     return (f"{'PASS' if ratio <= goal else 'MISS'} {where}: {ratio:.2f}x (median of {res['rounds']} rounds' "
-            f"ratios, IQR {lo:.2f}-{hi:.2f}; {met} of {res['rounds']} rounds within {goal}x){fresh_text}{spill_text}")
+            f"ratios, IQR {lo:.2f}-{hi:.2f}; {met} of {res['rounds']} rounds within {goal}x){fresh_text}{spill_text}"
+            f"{alone_text}")

@@ -61,6 +61,10 @@ def test_work_zinf_leaves_inside_the_peers_steps_is_reported(compare):
     line = compare._interleaved.goal_line(res, None)
     assert line.startswith("PASS zinf CPU offload (dp 2) <= 0.9x FSDP2 CPUOffloadPolicy, interleaved in one process: 0.80x")
     assert line.endswith("; zinf's threads used 0.020 CPU s a step inside the peer's steps")
+    # each system's step in a process of its own beside its step in the shared one (a run that failed: left out)
+    res["alone"] = {"fsdp2-cpu": 0.95, "zinf-cpu": None}
+    line = compare._interleaved.goal_line(res, None)
+    assert line.endswith("inside the peer's steps; step together / alone in a process: fsdp2-cpu 1.000 / 0.950 s")
     failed = {"ok": False, "why": "timed out", "goal": pair[0], "goal_ratio": pair[3]}
     assert compare._interleaved.goal_line(failed, 0.8) == (
         "n/a  zinf CPU offload (dp 2) <= 0.9x FSDP2 CPUOffloadPolicy, interleaved in one process: timed out")
@@ -72,7 +76,7 @@ def test_interleave_must_not_be_negative():
     assert p.returncode != 0 and "--interleave -1: must be 0 (off) or a number of rounds" in p.stderr
 
 
-@pytest.mark.slow  # two compiles of the tiny model: ~30 s on 2 cores (make test-slow)
+@pytest.mark.slow  # four compiles of the tiny model: ~30 s on 2 cores (make test-slow)
 def test_ab_overhead_writes_what_the_goal_reads(compare, tmp_path):
     """A real interleaved run of the tiny model: the JSON has every field ``goal_line`` reads, each round
     paired, each variant trained (finite loss)."""
@@ -81,6 +85,7 @@ def test_ab_overhead_writes_what_the_goal_reads(compare, tmp_path):
                                         str(tmp_path / "log.txt"), compare._free_port)
     assert res["ok"], res.get("why")
     assert res["rounds"] == 2 and res["baseline"] == "inductor" and set(res["variants"]) == {"inductor", "zinf"}
+    assert set(res["alone"]) == {"inductor", "zinf"} and all(v > 0 for v in res["alone"].values())
     z = res["variants"]["zinf"]
     assert len(z["paired"]) == 2 and z["paired_iqr"][0] <= z["paired_median"] <= z["paired_iqr"][1]
     assert all(math.isfinite(v["last_loss"]) for v in res["variants"].values())
