@@ -33,7 +33,8 @@ rows minutes apart, so its ratio carries less of the drift (the verdict stays th
 process (Inductor and zinf without offload at dp 1; FSDP2 ``CPUOffloadPolicy`` and zinf's CPU offload
 at dp 2) are measured again with both built in one process and their steps alternating
 (``benchmarks/ab_overhead.py``). Each such goal gets a second line: the median of the rounds' ratios
-and its quartiles, beside the fresh-process ratio. Why: a process's speed here follows the machine's
+and its quartiles, beside the fresh-process ratio and each system's step alone in a process of its
+own (run beside the pair). Why: a process's speed here follows the machine's
 drift for minutes, so runs of the same code minutes apart differed by up to 13%, more than a 5%
 goal's margin; interleaved steps see the same machine (``benchmarks/_interleaved.py``).
 
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import importlib.util
 import json
 import os
 import platform
@@ -65,8 +67,18 @@ import time
 from typing import Any, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import _interleaved  # noqa: E402  (imports no torch either)
+
+
+def _load_interleaved() -> Any:
+    """``benchmarks/_interleaved.py`` (it imports no torch either), loaded by path: this module is also
+    imported by tests, and putting ``benchmarks/`` on ``sys.path`` would let its scripts shadow modules."""
+    spec = importlib.util.spec_from_file_location("zinf_bench_interleaved", os.path.join(HERE, "_interleaved.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+_interleaved = _load_interleaved()
 
 WORKER = os.path.join(HERE, "_compare_worker.py")
 ADAM_KINDS = ("default", "fused")  # the worker's (_compare_worker.ADAM_KINDS; not imported: it imports torch)

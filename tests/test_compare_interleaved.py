@@ -65,6 +65,23 @@ def test_work_zinf_leaves_inside_the_peers_steps_is_reported(compare):
     res["alone"] = {"fsdp2-cpu": 0.95, "zinf-cpu": None}
     line = compare._interleaved.goal_line(res, None)
     assert line.endswith("inside the peer's steps; step together / alone in a process: fsdp2-cpu 1.000 / 0.950 s")
+
+
+def test_no_interleaved_verdict_when_the_shared_process_slowed_the_peer_more(compare):
+    """Beside zinf the peer stepped 1.00 s against 0.80 s alone, zinf 0.80 s both ways: the 0.80x would
+    credit zinf with the peer's loss to the shared process, so the line gives no verdict. A peer that
+    lost less than zinf (the ratio then errs against zinf) keeps the verdict."""
+    inter = compare._interleaved
+    pair = inter.PAIRS[1]
+    res = dict(_ab("fsdp2-cpu", "zinf-cpu", [1.0, 1.0], [0.8, 0.8]), ok=True, goal=pair[0], goal_ratio=pair[3],
+               alone={"fsdp2-cpu": 0.80, "zinf-cpu": 0.80})
+    assert inter.shared_process_penalty(res) == pytest.approx(1.25)
+    line = inter.goal_line(res, None)
+    assert line.startswith("n/a  zinf CPU offload (dp 2) <= 0.9x FSDP2 CPUOffloadPolicy, interleaved in one process: 0.80x")
+    assert line.endswith("; no verdict: beside zinf the peer stepped 25% slower, relative to zinf's own change, "
+                         "than alone (over 5%)")
+    res["alone"] = {"fsdp2-cpu": 0.97, "zinf-cpu": 0.70}  # zinf lost more (14%) than the peer (3%)
+    assert inter.shared_process_penalty(res) < 1 and inter.goal_line(res, None).startswith("PASS")
     failed = {"ok": False, "why": "timed out", "goal": pair[0], "goal_ratio": pair[3]}
     assert compare._interleaved.goal_line(failed, 0.8) == (
         "n/a  zinf CPU offload (dp 2) <= 0.9x FSDP2 CPUOffloadPolicy, interleaved in one process: timed out")
