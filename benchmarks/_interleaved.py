@@ -44,6 +44,25 @@ PAIRS: List[Tuple[str, str, str, float, int, str, str]] = [
 ]
 
 
+def run_in_session(cmd: List[str], env: Dict[str, str], timeout: float,
+                   cwd: Optional[str] = None) -> Tuple[str, Optional[int]]:
+    """Run ``cmd`` in a session of its own: (its stdout and stderr, its exit status or None if it
+    timed out). Why a session: a timeout or an interrupt kills torchrun's ranks too, not only the
+    launcher (compare.py's rows run the same way)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                         env=env, cwd=cwd)
+    try:
+        log, _ = p.communicate(timeout=timeout)
+        return log, p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        return p.communicate()[0] or "", None
+    except BaseException:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        raise
+
+
 def _ab_run(variants: List[str], dp: int, env: Dict[str, str], timeout: float, log_path: str,
             free_port: Callable[[], int]) -> Tuple[Optional[Dict[str, Any]], str, List[str]]:
     """One ``ab_overhead.py`` process over ``variants``: (its JSON or None, why not, the command as shown)."""
@@ -52,20 +71,7 @@ def _ab_run(variants: List[str], dp: int, env: Dict[str, str], timeout: float, l
         cmd = [sys.executable, AB, *variants] if dp == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(dp),
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), AB, *variants]
-        # its own session, as compare.py's rows: a timeout or an interrupt kills torchrun's ranks too
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                             env=dict(env, JSON=out), cwd=os.path.dirname(HERE))
-        rc: Optional[int]
-        try:
-            log, _ = p.communicate(timeout=timeout)
-            rc = p.returncode
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            log, rc = p.communicate()[0] or "", None
-        except BaseException:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-            raise
+        log, rc = run_in_session(cmd, dict(env, JSON=out), timeout, cwd=os.path.dirname(HERE))
         shown = (["python", "benchmarks/ab_overhead.py"] if dp == 1 else
                  ["torchrun", "--nproc-per-node", str(dp), "benchmarks/ab_overhead.py"]) + [
                      f"'{v}'" if "{" in v else v for v in variants]

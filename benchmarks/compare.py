@@ -207,20 +207,7 @@ def run_row(row: str, size: str, cfg: Dict[str, Any], args: argparse.Namespace, 
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(dp),
                "--master-addr", "127.0.0.1", "--master-port", str(_free_port())] + wargs
     load0, t0 = loadavg(), time.time()
-    rc: Optional[int]
-    # its own session, so a timeout or an interrupt kills torchrun's ranks too, not only the launcher
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                         env=_env(threads, cache=os.path.join(work, "inductor-cache")))
-    try:
-        log, _ = p.communicate(timeout=args.timeout)
-        rc = p.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        log, rc = p.communicate()[0] or "", None
-    except BaseException:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-        raise
+    log, rc = _interleaved.run_in_session(cmd, _env(threads, cache=os.path.join(work, "inductor-cache")), args.timeout)
     wall = time.time() - t0
     base = {"row": row, "label": LABELS[row], "size": size, "dp": dp, "threads_per_rank": threads,
             "adam": None if system.startswith("ds") else args.adam,

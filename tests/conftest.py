@@ -51,6 +51,19 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "slow: outside CI's 30 minutes on 2 cores; `make test-slow` runs them (README: Tests)")
 
 
+@pytest.fixture(scope="module")
+def compare():
+    """``benchmarks/compare.py`` as a module, loaded by path (``benchmarks/`` is not a package); it
+    imports no torch and runs nothing on import."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("zinf_bench_compare", os.path.join(root, "benchmarks", "compare.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     """Each test compiles its own models: no recompile limits or caches leak between tests."""

@@ -6,7 +6,6 @@ slow test, which runs ``ab_overhead.py`` on the tiny model and reads what it wro
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -16,14 +15,6 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def compare():
-    spec = importlib.util.spec_from_file_location("zinf_bench_compare", os.path.join(ROOT, "benchmarks", "compare.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _ab(peer: str, zinf: str, peer_steps, zinf_steps, spill: float = 0.0) -> dict:

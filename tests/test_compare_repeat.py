@@ -2,20 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def compare():
-    spec = importlib.util.spec_from_file_location("zinf_bench_compare", os.path.join(ROOT, "benchmarks", "compare.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _run(step: float, first: float, at: str) -> dict:
