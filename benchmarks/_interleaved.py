@@ -144,7 +144,7 @@ def goal_line(res: Dict[str, Any], fresh: Optional[float]) -> str:
 
 
 #: how much more the peer may slow down beside zinf than zinf does (together / alone, relative) before
-#: the interleaved verdict is withheld. Runs of one system minutes apart move by up to ~10% here, so a
+#: the interleaved verdict is withheld. Runs of one system minutes apart moved by up to 13% here, so a
 #: tighter limit would withhold verdicts for drift alone.
 SHARED_PENALTY_LIMIT = 1.05
 
