@@ -32,7 +32,6 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 from typing import Callable, Dict, List, Tuple
 
@@ -45,6 +44,7 @@ from zinf_compile.models import GPT, GPTConfig
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _compare_worker import adamw_kwargs  # noqa: E402  (compare.py's optimizer settings, every variant)
 from compare import SIZES  # noqa: E402  (compare.py's model sizes; that module imports no torch)
+from step_phases import thread_cpu  # noqa: E402  (per-thread CPU from /proc/self/task)
 
 ADAM = os.environ.get("ADAM", "default")
 world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -99,18 +99,10 @@ def build(name: str, opts: str) -> Step:
 
 def zinf_threads_cpu() -> float:
     """CPU seconds so far of this process's zinf threads (IO, copy lanes, optimizer overlap: their names
-    start with "zinf"). Why: interleaved with a peer, work zinf left running after its step returned
-    would slow the peer's step and flatter zinf's ratio; ``timed`` books it to the step it ran in."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
-    for t in threading.enumerate():
-        if t.name.startswith("zinf") and t.native_id is not None:
-            try:
-                with open(f"/proc/self/task/{t.native_id}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:  # the thread ended meanwhile
-                continue
-            total += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-    return total
+    start with "zinf"), from ``step_phases.thread_cpu``. Why: interleaved with a peer, work zinf left
+    running after its step returned would slow the peer's step and flatter zinf's ratio; ``timed``
+    books it to the step it ran in."""
+    return sum(cpu for name, (cpu, _, _) in thread_cpu().items() if name.startswith("zinf"))
 
 
 def timed(step: Step) -> Tuple[float, float, float, float]:
