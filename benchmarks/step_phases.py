@@ -9,6 +9,8 @@ trace of waits. This prints, for the steady steps of one system:
   (zinf's IO threads are ``zinf-swap``, its copy lanes ``zinf-ctx<N>-<lane>``, gloo's are
   ``gloo_tcp_loop`` and ``pt_gloo_runloop``);
 - Python's garbage collections per step, by generation, with their time (``gc.callbacks``);
+- with NVMe tiers, the swap engines' requests and payload bytes per step (``zinf_compile.io_stats``):
+  how many reads and writes the step issued, which is what a per-request cost scales with;
 - peak RSS (``VmHWM``) up to the first counted step (it includes the compile), and the peak of the
   counted steps alone (the high-water mark reset there, ``benchmarks/_procmem.py``).
 
@@ -96,6 +98,19 @@ class GcClock:
             self.seconds[info["generation"]] += time.perf_counter() - self._t0
 
 
+def _io(model: torch.nn.Module) -> Dict[str, float]:
+    """Flat NVMe + cache counters of ``zinf_compile.io_stats`` (empty without NVMe)."""
+    try:
+        st = zinf_compile.io_stats(model)
+    except ValueError:
+        return {}
+    if not st["nvme"]["reads"] and not st["nvme"]["writes"]:
+        return {}
+    return {"read bytes": st["nvme"]["bytes_read"], "written bytes": st["nvme"]["bytes_written"],
+            "reads": st["nvme"]["reads"], "writes": st["nvme"]["writes"], "cache hits": st["read_cache"]["hits"],
+            "params written back": st["kept_params"]["written_back"]}
+
+
 def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -130,6 +145,7 @@ def main() -> None:
         if i == SKIP:
             hwm_before, reset = hwm_mib(), reset_hwm()
             cpu0, wall0, clock.on = thread_cpu(), time.perf_counter(), True
+            io0 = _io(model) if system != "fsdp2-cpu" else {}
         if world > 1:
             dist.barrier()
         t0 = time.perf_counter()
@@ -157,6 +173,10 @@ def main() -> None:
             b = cpu0.get(name, [0.0, 0, 0])
             if name == "MainThread" or c - b[0] > 0.005 * n:
                 print(f"  {name:18s} {(c - b[0]) / n:6.3f} {(vol - b[1]) / n:9.0f} {(inv - b[2]) / n:9.0f}")
+        if io0:  # the swap engines' own payload counters: how much each step moved, not what it cost
+            io1 = _io(model)
+            print("swap per step: " + ", ".join(f"{k} {(io1[k] - io0[k]) / n / (2 ** 20 if 'bytes' in k else 1):.1f}"
+                                                + (" MiB" if "bytes" in k else "") for k in io0))
         steady = f"{hwm_mib()} MiB" if reset else "not measured (the kernel refused the reset)"
         print(f"rank 0 peak RSS: up to step {SKIP} {hwm_before} MiB (with the compile); steps {SKIP}.. {steady}")
         print("gc per step: collections by generation " + str([round(c / n, 2) for c in clock.count])
