@@ -80,6 +80,7 @@ class ShardedOptimizerMixin:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_nvme_gradients()
         plan = self._swap_in()
         try:
             base_step(type(self))(self)
@@ -88,6 +89,22 @@ class ShardedOptimizerMixin:
         self._finish(plan)
         transfer.optimizer_step_done(self, t0)
         return loss
+
+    def _check_nvme_gradients(self) -> None:
+        """Raise a failed gradient write (a full disk) of any NVMe unit before the step changes anything.
+
+        Why here, before ``_swap_in``: with ``nvme_min_shard_bytes`` some parameters step in memory
+        (and ``_swap_in`` commits their speculative steps) before the NVMe units stream; checked only
+        in ``_step_streamed``, a failed NVMe gradient left those stepped and the rest not, half a step
+        with no way back. Waiting here costs nothing extra: the streamed step waits for the same
+        writes first thing."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                h = store.handle_of(p)
+                if h is not None and h.placement.master_tier == "nvme":
+                    for u in h.units():
+                        if u.grad_live():
+                            u.grad_slot.flush()
 
     def _patch_step_function(self) -> None:
         """torch wraps ``type(self).step`` with its hook runner; the twin marks calls that came through it,

@@ -99,10 +99,17 @@ def check_message(exc: SwapSpaceError, tmp_path, kind: str) -> None:
     assert f".{kind}'" in msg and "of parameter 'layers." in msg, msg
 
 
-def test_disk_full_writing_gradients_loses_nothing_and_training_resumes(tmp_path, disk_full):
+@pytest.mark.parametrize("min_bytes", [0, 256], ids=["all-on-nvme", "biases-in-memory"])
+def test_disk_full_writing_gradients_loses_nothing_and_training_resumes(tmp_path, disk_full, min_bytes):
+    """``min_bytes`` 256 (``nvme_min_shard_bytes``) keeps the biases' states in CPU memory: the step
+    must raise before it steps those too, not only before the NVMe ones."""
     want = eager_states(3)
-    model, cmodel, opt = setup(tmp_path, optimizer_sub_group_bytes=256)  # every gradient written back
+    # every gradient written back (a cap under one gradient)
+    model, cmodel, opt = setup(tmp_path, optimizer_sub_group_bytes=256, nvme_min_shard_bytes=min_bytes)
     step_of(model, cmodel, opt, 0)
+    tiers = {h.name: h.placement.master_tier for h in map(zinf_runtime.handle_of, model.parameters())}
+    assert {t for n, t in tiers.items() if n.endswith("weight")} == {"nvme"}, tiers
+    assert {t for n, t in tiers.items() if n.endswith("bias")} == {"cpu" if min_bytes else "nvme"}, tiers
     disk_full["kind"] = "grad"
     cmodel(batch(1)).pow(2).sum().backward()
     with pytest.raises(SwapSpaceError) as ei:
