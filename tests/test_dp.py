@@ -130,7 +130,8 @@ def test_gpt_dp2_nvme_params_and_optimizer(tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     res = run_dp(tmp_path, {"compiler": "eager", "offload_params": "nvme", "offload_optimizer": "nvme",
-                            "nvme_path": str(nvme), "optimizer_sub_group_bytes": 1 << 16})
+                            "nvme_path": str(nvme), "optimizer_sub_group_bytes": 1 << 16,
+                            "nvme_min_shard_bytes": 0})  # every parameter on NVMe, norms and biases too
     assert_matches_eager(res)
     total = res["total_param_bytes"]
     for b in res["shard_bytes"]:  # half of every parameter per rank, on NVMe

@@ -50,7 +50,8 @@ def planned_nvme(tmp_path_factory):
     torch.manual_seed(0)
     model = GPT(CFG)
     x, y = make_batch(CFG, 2, seed=0)
-    opts = {"offload_params": "nvme", "offload_optimizer": "nvme"}
+    # every parameter on NVMe, norms' and biases' too (the default keeps those in memory, read in place)
+    opts = {"offload_params": "nvme", "offload_optimizer": "nvme", "nvme_min_shard_bytes": 0}
     plan = zinf_compile.memory_plan(model, (x, y), nvme_path=str(tmp_path_factory.mktemp("plan")), **opts)
     cm = torch.compile(model, backend="zinf", options={"compiler": "eager", "nvme_path": str(tmp_path_factory.mktemp("run")),
                                                        **opts})
@@ -196,7 +197,7 @@ def test_split_tiers_place_masters_and_parameter_copies(planned, planned_nvme, t
     plan = planned[0]
     model, _, x, y = planned[3]
     split = zinf_compile.memory_plan(model, (x, y), offload_params="nvme", offload_optimizer="cpu",
-                                     nvme_path=str(tmp_path), optimizer="adamw")
+                                     nvme_path=str(tmp_path), optimizer="adamw", nvme_min_shard_bytes=0)
     masters = plan.peak("device", "param")
     assert split.peak("cpu", "param") == masters  # fp32 masters with the optimizer, on CPU
     assert split.peak("nvme", "param") == masters  # the fp32 parameter copy that fetches read, on NVMe
@@ -327,7 +328,7 @@ def test_nvme_plan_counts_files_on_nvme_and_host_buffers_on_cpu(cap, write_back,
     each keeps the one file partitioning wrote; written through, each has two."""
     model, x, y = _fresh_model(tmp_path)
     opts = {"offload_params": "nvme", "offload_optimizer": "nvme", "nvme_path": str(tmp_path / "run"),
-            "nvme_param_write_back": write_back}
+            "nvme_param_write_back": write_back, "nvme_min_shard_bytes": 0}  # every shard, norms' too
     if cap == "tiny":
         opts["optimizer_sub_group_bytes"] = 256
     g = 0 if cap == "default" else 1  # files per gradient once written

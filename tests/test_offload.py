@@ -138,20 +138,26 @@ def test_nvme_gradients_are_written_back_only_past_the_cap(params, cap, tmp_path
         assert ctx.dirty.written_back > 0 and grad_files
 
 
-def test_placement_for_numel_rule():
+def test_placement_for_param_rule():
     """The rule every rank applies alike: the bandwidth scheme's shard, 4 bytes an element, against
-    the threshold; only NVMe tiers change; 0 turns it off."""
+    the threshold; only NVMe tiers change; 0 turns it off; the default (None) keeps 1-D parameters
+    under 64 KiB in memory and leaves every matrix on NVMe."""
     cpu = torch.device("cpu")
     swap = zinf_runtime.swap.SwapConfig(nvme_path="/tmp")
     nn = zinf_runtime.Placement(tier="nvme", compute_device=cpu, optim_tier="nvme", swap=swap, nvme_min_bytes=1024)
-    assert nn.for_numel(255).tier == "cpu" and nn.for_numel(255).master_tier == "cpu"
-    assert nn.for_numel(256) is nn  # 1024 bytes: not under
+    assert nn.for_param(255, 2).tier == "cpu" and nn.for_param(255, 1).master_tier == "cpu"
+    assert nn.for_param(256, 1) is nn  # 1024 bytes: not under
     dn = zinf_runtime.Placement(tier="device", compute_device=cpu, optim_tier="nvme", swap=swap, nvme_min_bytes=1024)
-    assert (dn.for_numel(10).tier, dn.for_numel(10).master_tier) == ("device", "cpu")
-    off = zinf_runtime.Placement(tier="nvme", compute_device=cpu, optim_tier="nvme", swap=swap)
-    assert off.for_numel(1) is off
+    assert (dn.for_param(10, 2).tier, dn.for_param(10, 2).master_tier) == ("device", "cpu")
+    off = zinf_runtime.Placement(tier="nvme", compute_device=cpu, optim_tier="nvme", swap=swap, nvme_min_bytes=0)
+    assert off.for_param(1, 1) is off and off.for_param(1, 2) is off
+    default = zinf_runtime.Placement(tier="nvme", compute_device=cpu, optim_tier="nvme", swap=swap)
+    limit = zinf_runtime.store.DEFAULT_NVME_MIN_BYTES_1D // 4  # elements of a 1-D shard at the threshold
+    assert default.for_param(limit - 1, 1).tier == "cpu" and default.for_param(limit - 1, 0).tier == "cpu"
+    assert default.for_param(limit, 1) is default  # not under
+    assert default.for_param(1, 2) is default  # a matrix: on NVMe however small
     mem = zinf_runtime.Placement(tier="cpu", compute_device=cpu, nvme_min_bytes=1 << 20)
-    assert mem.for_numel(1) is mem
+    assert mem.for_param(1, 1) is mem
     for bad in (-1, True, 1.5, "1k"):
         with pytest.raises(ValueError, match="nvme_min_shard_bytes"):
             zinf_compile.Config.from_options({"nvme_min_shard_bytes": bad})
@@ -197,7 +203,9 @@ def test_nvme_step_in_slices_matches_eager(params, tmp_path, monkeypatch):
     run = train_pair(lambda: GPT(CFG), batches, opts(params, "nvme", tmp_path, optimizer_sub_group_bytes=64 << 20))
     assert_grads_equal(run)
     assert_same_training(run, exact=True)
-    n_units = len(list(run.model.parameters()))
+    # the streamed units: the parameters on NVMe (the default keeps norms and biases in memory)
+    n_units = sum(zinf_runtime.handle_of(p).placement.master_tier == "nvme" for p in run.model.parameters())
+    assert 0 < n_units < len(list(run.model.parameters()))
     assert len(seen) == 3 and all(len(r) == n_units and all(len(s) == 1 for s in r) for r in seen)
 
 

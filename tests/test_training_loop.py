@@ -195,7 +195,8 @@ def test_grad_scaler_fp16_skips_overflow_steps():
 def test_optimizer_state_dict_round_trip(tier, tmp_path):
     # train 2 steps, save the optimizer state, keep training 2 steps; then reload the saved state into
     # a fresh optimizer at the saved point and train the same 2 steps: same parameters
-    opts = {"offload_optimizer": tier, "nvme_path": str(tmp_path)}
+    # every parameter's state on the tier (nvme_min_shard_bytes=0: norms' and biases' too)
+    opts = {"offload_optimizer": tier, "nvme_path": str(tmp_path), "nvme_min_shard_bytes": 0}
     ref, model, cmodel, ropt, zopt = pair(opts, opt="sgd")
     data = batches(4)
     for b in data[:2]:

@@ -61,8 +61,10 @@ class Config:
     nvme_min_shard_bytes: a parameter whose fp32 shard (1/dp of it) is smaller than this keeps its
         NVMe-tier states (parameter copy, master, gradient, moments) in CPU memory instead, 16 bytes
         of RAM per element: each state on NVMe is a file and a request per step, whose fixed cost
-        does not shrink with its size. 0 (the default) puts every parameter on NVMe; see the README's
-        Options table for what it gained here.
+        does not shrink with its size. None (the default): 64 KiB for 1-D parameters (norms,
+        biases: most of a transformer's parameters, a fraction of a percent of its bytes), every
+        matrix on NVMe; an int applies to every parameter, 0 puts every parameter on NVMe
+        (``zinf_runtime.Placement.for_param``; the README's Options table says what it gained).
     nvme_read_cache_bytes: with parameters on NVMe, host bytes of shards kept as clean copies of
         their files: after a fetch read them, and after the optimizer wrote them (write-through), so
         the next fetch or master read finds them instead of reading the file
@@ -163,7 +165,7 @@ class Config:
     nvme_checksum: bool = True
     nvme_reuse_files: bool = True
     optimizer_sub_group_bytes: int = 256 << 20
-    nvme_min_shard_bytes: int = 0
+    nvme_min_shard_bytes: Optional[int] = None
     nvme_read_cache_bytes: int = 64 << 20
     nvme_param_write_back: bool = True
     mixed_precision: Optional[str] = None
@@ -218,7 +220,7 @@ class Config:
         if not isinstance(self.optimizer_sub_group_bytes, int) or self.optimizer_sub_group_bytes <= 0:
             raise ValueError(f"zinf option 'optimizer_sub_group_bytes': invalid value "
                              f"{self.optimizer_sub_group_bytes!r}; expected a positive int")
-        for key, minimum, optional in (("tile_threshold_bytes", 0, False), ("nvme_min_shard_bytes", 0, False),
+        for key, minimum, optional in (("tile_threshold_bytes", 0, False), ("nvme_min_shard_bytes", 0, True),
                                        ("nvme_read_cache_bytes", 0, False), ("tiles", 1, True), ("device_memory_budget", 1, True)):
             value = getattr(self, key)
             if value is None and optional:
