@@ -384,6 +384,8 @@ class ShardedOptimizerMixin:
     def state_dict(self) -> Dict:  # type: ignore[override]
         """torch's state dict; NVMe-resident moments are read into it (this rank's shards)."""
         sd = super().state_dict()  # type: ignore[misc]
+        memory_states = bool(sd["state"])
+        added = False
         for idx, p in self._indexed_params():
             h = store.handle_of(p)
             if h is None or h.placement.master_tier != "nvme":
@@ -395,6 +397,11 @@ class ShardedOptimizerMixin:
                 states.append(st)
             if any(states):
                 sd["state"][idx] = states[0] if len(states) == 1 else {"tiles": states}
+                added = True
+        if added and memory_states:
+            # some parameters step in memory (``nvme_min_shard_bytes``), the rest from NVMe: the NVMe
+            # states went in after all memory ones; in parameter order, as eager's first step makes them
+            sd["state"] = dict(sorted(sd["state"].items()))
         return sd
 
     @outside_inference_mode  # runtime/modes.py: its buffers outlive the call
