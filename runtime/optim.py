@@ -96,8 +96,9 @@ class ShardedOptimizerMixin:
         Why here, before ``_swap_in``: with ``nvme_min_shard_bytes`` some parameters step in memory
         (and ``_swap_in`` commits their speculative steps) before the NVMe units stream; checked only
         in ``_step_streamed``, a failed NVMe gradient left those stepped and the rest not, half a step
-        with no way back. Waiting here costs nothing extra: the streamed step waits for the same
-        writes first thing."""
+        with no way back. It waits for those writes once, for the streamed step too (which needs them
+        done); the flush raises even where the optimizer prefetched a copy of the gradient in memory
+        during backward, which would otherwise hide the failed write."""
         for group in self.param_groups:
             for p in group["params"]:
                 h = store.handle_of(p)
@@ -226,8 +227,8 @@ class ShardedOptimizerMixin:
         (``STEP_SLICE_BYTES``) at a time; each slice's writes go out asynchronously while the next
         steps. Resident bytes stay within about three sub-groups.
         """
-        for _, u in items:  # a gradient write that failed (a full disk) raises here, before any change
-            u.grad_slot.flush()  # (the prefetched copy in memory would otherwise hide it)
+        # a failed gradient write (a full disk) has already raised: ``step`` checks first
+        # (``_check_nvme_gradients``), before any parameter changes
         ov = optim_overlap.of(self)
         ready: Dict[int, optim_overlap.Entry] = {}
         written: List[store.ParamHandle] = []
