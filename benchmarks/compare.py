@@ -106,6 +106,28 @@ FAMILIES = {"zinf": [r for r in ROWS if r.startswith("zinf")], "ds": ["ds-none",
             "deepspeed": ["ds-none", "ds-cpu", "ds-nvme"], "fsdp2": ["fsdp2-none", "fsdp2-cpu"],
             "peers": ["eager", "inductor", "fsdp2-none", "fsdp2-cpu", "ds-none", "ds-cpu", "ds-nvme"]}
 
+# The issue's step-time goals: (text, zinf row, peer row, the most zinf's step may be, as a ratio)
+GOALS = [("zinf no offload <= 1.05x Inductor", "zinf-none-dp1", "inductor", 1.05),
+         ("zinf CPU offload (dp 2) <= 0.9x FSDP2 CPUOffloadPolicy", "zinf-cpu-dp2", "fsdp2-cpu", 0.9),
+         ("zinf CPU offload (dp 2) < DeepSpeed CPU offload", "zinf-cpu-dp2", "ds-cpu", 1.0),
+         ("zinf NVMe offload (dp 2) <= 0.8x DeepSpeed NVMe offload", "zinf-nvme-dp2", "ds-nvme", 0.8),
+         ("like for like: zinf optimizer on NVMe (dp 2) <= 0.8x DeepSpeed NVMe offload", "zinf-cpunvme-dp2",
+          "ds-nvme", 0.8)]
+
+# The order rows run in (the table keeps ROWS' order): each goal's rows side by side, so the two steps a
+# goal compares are measured about a minute apart rather than up to five. Why: this VM's speed drifts
+# for minutes at a time (fresh processes of the same code differed by up to 25% within an hour), and a
+# goal's ratio only carries the drift that happened between its two rows.
+RUN_ORDER = ["eager", "inductor", "zinf-none-dp1", "zinf-cpu-dp1", "zinf-nvme-dp1",
+             "fsdp2-none", "zinf-none-dp2", "fsdp2-cpu", "zinf-cpu-dp2", "ds-cpu",
+             "ds-none", "zinf-nvme-dp2", "ds-nvme", "zinf-cpunvme-dp2"]
+assert sorted(RUN_ORDER) == sorted(ROWS)
+
+# Timed steps per size when --steps is not given: ten where a step takes about a second (the rows'
+# time is mostly their compile, so ten cost ~100 s over 14 rows), five where it takes 3-7 s. Why: a
+# median of three steps moved with one slow stretch of the machine or one gen-2 garbage collection.
+DEFAULT_STEPS = {"quick": 2, "small": 10, "large": 5}
+
 # GPT-style sizes (zinf_compile.models.GPTConfig); the LM head is tied to the token embedding
 SIZES: Dict[str, Dict[str, Any]] = {
     "quick": dict(vocab=256, seq=32, layers=2, hidden=64, heads=4),
@@ -192,14 +214,15 @@ def _why(out: str, dp: int, log: str, rc: Optional[int]) -> str:
     return (exc[-1] if exc else (lines[-1] if lines else f"exit status {rc}"))[:300]
 
 
-def run_row(row: str, size: str, cfg: Dict[str, Any], args: argparse.Namespace, tmp: str) -> Dict[str, Any]:
+def run_row(row: str, size: str, cfg: Dict[str, Any], args: argparse.Namespace, tmp: str,
+            steps: int) -> Dict[str, Any]:
     system, dp = ROWS[row]
     threads = args.threads_dp1 if dp == 1 else args.threads_dp2
     work = tempfile.mkdtemp(prefix=f"{size}-{row}-", dir=tmp)
     nvme = tempfile.mkdtemp(prefix=f"zinf-compare-{row}-", dir=args.nvme_dir)  # same disk for every row
     out = os.path.join(work, "result.json")
     wargs = [WORKER, "--system", system, "--cfg", json.dumps(cfg), "--global-batch", str(args.global_batch),
-             "--warmup", str(args.warmup), "--steps", str(args.steps), "--threads", str(threads),
+             "--warmup", str(args.warmup), "--steps", str(steps), "--threads", str(threads),
              "--nvme", nvme, "--adam", args.adam, "--out", out]
     if dp == 1:
         cmd = [sys.executable] + wargs
@@ -211,7 +234,7 @@ def run_row(row: str, size: str, cfg: Dict[str, Any], args: argparse.Namespace, 
     wall = time.time() - t0
     base = {"row": row, "label": LABELS[row], "size": size, "dp": dp, "threads_per_rank": threads,
             "adam": None if system.startswith("ds") else args.adam,
-            "global_batch": args.global_batch, "seq": cfg["seq"], "warmup": args.warmup, "steps": args.steps,
+            "global_batch": args.global_batch, "seq": cfg["seq"], "warmup": args.warmup, "steps": steps,
             "run_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0)),
             "loadavg_before": load0, "loadavg_after": loadavg(), "wall_s": round(wall, 1)}
     with open(os.path.join(args.out, "logs", f"{size}-{row}.log"), "w") as f:
@@ -326,13 +349,7 @@ def goals(rows: Dict[str, Dict[str, Any]]) -> List[str]:
         return rows[r]["median_step_s"] if rows.get(r, {}).get("ok") else None
 
     out = []
-    checks = [("zinf no offload <= 1.05x Inductor", "zinf-none-dp1", "inductor", 1.05),
-              ("zinf CPU offload (dp 2) <= 0.9x FSDP2 CPUOffloadPolicy", "zinf-cpu-dp2", "fsdp2-cpu", 0.9),
-              ("zinf CPU offload (dp 2) < DeepSpeed CPU offload", "zinf-cpu-dp2", "ds-cpu", 1.0),
-              ("zinf NVMe offload (dp 2) <= 0.8x DeepSpeed NVMe offload", "zinf-nvme-dp2", "ds-nvme", 0.8),
-              ("like for like: zinf optimizer on NVMe (dp 2) <= 0.8x DeepSpeed NVMe offload", "zinf-cpunvme-dp2",
-               "ds-nvme", 0.8)]
-    for text, a, b, g in checks:
+    for text, a, b, g in GOALS:
         x, y = med(a), med(b)
         ka, kb = rows.get(a, {}).get("adam", "default"), rows.get(b, {}).get("adam", "default")
         if x and y and ka and kb and ka != kb:  # merged runs: one row stepped another AdamW kernel
@@ -367,7 +384,8 @@ def render(data: Dict[str, Any]) -> str:
         f"batches; a step = forward + backward + "
         f"optimizer step. Global batch {c['global_batch']} sequences (dp-2 rows: {c['global_batch'] // 2} per rank). "
         f"Threads: {c['threads_dp1']} per process at dp 1, {c['threads_dp2']} per rank at dp 2 (2 ranks). "
-        f"Step = median of {c['steps']} timed steps after the first step and {c['warmup']} warm-up step(s); "
+        f"Step = median of the timed steps (how many: each size's heading) after the first step and "
+        f"{c['warmup']} warm-up step(s); rows run with each goal's two rows side by side (RUN_ORDER); "
         f"the first step includes compilation (cold Inductor cache per row). A row shown with \"N runs\" ran "
         f"N times round-robin with the others (--repeat): its step is the median of the runs' medians, its other "
         f"figures those of that middle run, but its CPU s/step, the runs' median. CPU s/step: the CPU seconds "
@@ -384,7 +402,7 @@ def render(data: Dict[str, Any]) -> str:
         anyrow = next(iter(rows.values()))
         n = next((r["params"] for r in rows.values() if r.get("ok")), _params(data["sizes"][size]))
         lines += [f"## {size}: GPT-style, {n / 1e6:.1f}M params, global batch {anyrow['global_batch']} x "
-                  f"{anyrow['seq']} tokens", "",
+                  f"{anyrow['seq']} tokens, {anyrow.get('steps', '?')} timed steps", "",
                   "| system | dp | step s | x Ind. | CPU s/step (sum) | first step s | x Ind. | peak RSS MiB (sum) | "
                   "timed steps' peak RSS MiB (sum) | max/rank | x Ind. | disk MiB/step read / write | last loss | "
                   "run at (load 1m) |",
@@ -465,7 +483,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny model, global batch 4, 2 timed steps (smoke test)")
     ap.add_argument("--global-batch", type=int, default=None, help="sequences per step over all ranks (default 4)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps after the first (default 1; quick 1)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 3; quick 2)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="timed steps (default per size: " + ", ".join(f"{k} {v}" for k, v in DEFAULT_STEPS.items()) + ")")
     ap.add_argument("--threads-dp1", type=int, default=os.cpu_count() or 1, help="threads of a dp-1 process")
     ap.add_argument("--threads-dp2", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="threads per dp-2 rank")
     ap.add_argument("--nvme-dir", default=tempfile.gettempdir(), help="where the NVMe rows put their folders")
@@ -488,7 +507,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.sizes = "quick" if args.sizes == "small,large" else args.sizes
     args.global_batch = args.global_batch or 4
     args.warmup = 1 if args.warmup is None else args.warmup
-    args.steps = args.steps or (2 if args.quick else 3)
+    if args.quick and args.steps is None:
+        args.steps = DEFAULT_STEPS["quick"]
+    if args.steps is not None and args.steps < 1:
+        raise SystemExit(f"--steps {args.steps}: must be at least 1")
     if args.interleave < 0:
         raise SystemExit(f"--interleave {args.interleave}: must be 0 (off) or a number of rounds")
     if args.repeat < 1:
@@ -499,7 +521,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for s in sizes:
         if s not in SIZES:
             raise SystemExit(f"--sizes: unknown {s!r}; sizes are {', '.join(SIZES)}")
-    rows = list(ROWS) if args.systems == "all" else _select(args.systems)
+    rows = sorted(ROWS if args.systems == "all" else _select(args.systems), key=RUN_ORDER.index)
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     path = os.path.join(args.out, "compare.json")
     data: Dict[str, Any] = {}
@@ -512,7 +534,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _write(data, args.out, path, final=False)
     cmd = "python benchmarks/compare.py " + " ".join(argv if argv is not None else sys.argv[1:])
     data.update(machine=machine(os.path.abspath(args.nvme_dir)), command=cmd.strip(), sizes=SIZES,
-                config={"global_batch": args.global_batch, "warmup": args.warmup, "steps": args.steps,
+                config={"global_batch": args.global_batch, "warmup": args.warmup,
+                        "steps": {size: args.steps or DEFAULT_STEPS[size] for size in sizes},
                         "repeat": args.repeat, "interleave": args.interleave,
                         "threads_dp1": args.threads_dp1, "threads_dp2": args.threads_dp2,
                         "adamw": {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
@@ -531,7 +554,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     tag = f" run {rnd + 1}/{args.repeat}" if args.repeat > 1 else ""
                     print(f"[{time.strftime('%H:%M:%S')}] {size} {row} (dp {ROWS[row][1]}){tag} ...", flush=True)
                     try:
-                        runs[row].append(run_row(row, size, cfg, args, tmp))
+                        runs[row].append(run_row(row, size, cfg, args, tmp, args.steps or DEFAULT_STEPS[size]))
                     except KeyboardInterrupt:
                         print(f"    interrupted: {size} {row}; rows keep the runs they finished (or their earlier results)")
                         data["interrupted_at"] = f"{size} {row} {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}"

@@ -77,3 +77,37 @@ def test_a_goal_shows_the_rows_cpu_per_step_beside_the_verdict(compare):
     line = next(g for g in compare.goals(rows) if "FSDP2" in g)
     assert line == ("MISS zinf CPU offload (dp 2) <= 0.9x FSDP2 CPUOffloadPolicy: 0.95x; "
                     "CPU s a step 1.80 / 2.40 = 0.75x")
+
+
+def test_each_goals_rows_run_side_by_side_with_per_size_timed_steps(compare, tmp_path, monkeypatch):
+    """The run order puts a goal's two rows next to each other (the machine drifts for minutes, and a
+    goal's ratio carries only the drift between its rows), whatever order --systems names them in;
+    the table keeps its own order; each size gets its own default count of timed steps."""
+    for _, a, b, _ in compare.GOALS:
+        assert abs(compare.RUN_ORDER.index(a) - compare.RUN_ORDER.index(b)) == 1, (a, b)
+    ran = []
+
+    def fake_row(row, size, cfg, args, tmp, steps):
+        ran.append((size, row, steps))
+        return dict(_run(1.0, 1.0, "2026-01-01 00:00:00 UTC"), row=row, label=compare.LABELS[row], size=size,
+                    dp=compare.ROWS[row][1], threads_per_rank=1, adam="default", global_batch=4, seq=8,
+                    warmup=1, steps=steps, loadavg_before=[0.0], rss_sum_mib=1.0, rss_max_mib=1.0,
+                    step_s=[1.0] * steps, wall_s=1.0, params=1000, run_at="2026-01-01 00:00:00 UTC")
+
+    monkeypatch.setattr(compare, "run_row", fake_row)
+    monkeypatch.setattr(compare, "machine", lambda root: {"cores": 2, "cpu": "x", "ram_gib": 1, "kernel": "k",
+                                                          "versions": {}, "nvme_root": root,
+                                                          "disk": {"device": "d", "fs": "f", "size_gib": 1,
+                                                                   "rotational": 0}})
+    argv = ["--sizes", "small,large", "--systems", "ds-nvme,zinf-cpu-dp2,fsdp2-cpu,zinf-nvme-dp2",
+            "--interleave", "0", "--out", str(tmp_path), "--no-merge"]
+    assert compare.main(argv) == 0
+    assert ran == [(s, r, compare.DEFAULT_STEPS[s]) for s in ("small", "large")
+                   for r in ("fsdp2-cpu", "zinf-cpu-dp2", "zinf-nvme-dp2", "ds-nvme")]
+    md = (tmp_path / "compare.md").read_text()
+    assert "tokens, 10 timed steps" in md and "tokens, 5 timed steps" in md
+    table = [ln for ln in md.splitlines() if ln.startswith("| FSDP2 + CPU") or ln.startswith("| zinf, CPU")]
+    assert table[0].startswith("| FSDP2 + CPU")  # the table's order is ROWS', not the run order
+    ran.clear()
+    assert compare.main(argv[:-5] + ["--steps", "2", "--interleave", "0", "--out", str(tmp_path / "b")]) == 0
+    assert {steps for _, _, steps in ran} == {2}
