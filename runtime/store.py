@@ -1098,7 +1098,8 @@ def partition(
             if comm.world_size(placement.group) > 1 and sync_from_rank0:
                 flat = flat.clone()
                 comm.broadcast(flat, placement.group)  # staged through the group's device if needed
-            h = ParamHandle(name, p.shape, p.dtype, p.requires_grad, placement.for_param(p.numel(), p.dim()), flat, param=p)
+            h = ParamHandle(name, p.shape, p.dtype, p.requires_grad, placement.for_param(p.numel(), p.dim()), flat,
+                            param=p)
             _handles[h.uid] = h
             setattr(p, UID_ATTR, h.uid)
             weakref.finalize(p, _forget, h.uid)
