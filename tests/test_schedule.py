@@ -263,7 +263,7 @@ def _bucketed_vs_serial(tmp_path):
     serial = run_dp(tmp_path, {"compiler": "eager", "prefetch_depths": [0, 0, 0], "reduce_depths": [0, 0],
                                "bucket_bytes": 0})
     (tmp_path / "c").mkdir()
-    bucketed = run_dp(tmp_path / "c", {"compiler": "eager", "bucket_bytes": 1 << 20})
+    bucketed = run_dp(tmp_path / "c", {"compiler": "eager", "bucket_bytes": 1 << 14})  # several buckets a graph
     assert bucketed["losses"] == serial["losses"]
     for k, v in serial["state"].items():
         assert torch.equal(bucketed["state"][k], v), k
@@ -278,6 +278,8 @@ def _bucketed_vs_serial(tmp_path):
     single_reduces = bucketed["counts"].get("backward:zinf.reduce.default", 0)
     reduce_waits = bucketed["counts"]["backward:zinf.wait_reduce.default"]
     assert reduce_buckets > 0 and reduce_buckets + single_reduces < reduce_waits, bucketed["counts"]
+    # the buckets started one bucket ahead (_plan_group_lookahead), and the numbers above did not move
+    assert bucketed["record_counters"].get("group_lookahead", 0) > 0, bucketed["record_counters"]
     return serial, bucketed
 
 
@@ -303,6 +305,79 @@ def test_dp2_scheduled_equals_serial(tmp_path):
         assert bucketed["counts"][f"{stage}:zinf.wait_gather.default"] == \
             sched["counts"][f"{stage}:zinf.wait_gather.default"]
     assert bucketed["counts"]["backward:zinf.wait_reduce.default"] == sched["counts"]["backward:zinf.wait_reduce.default"]
+
+
+def _fake_chains(groups: List[List[int]], nbytes: int = 100) -> list:
+    """Chains of a graph with one parameter-using operator per chain, grouped into buckets as given
+    (a group of one is a parameter gathered alone), scheduled one operator ahead as
+    plan_schedule_pass tags them before the group lookahead."""
+    from zinf_compile.passes.schedule import Chain
+    g = torch.fx.Graph()
+    chains, op = [], 0
+    for b, size in enumerate(groups):
+        for i in range(size):
+            fetch = g.placeholder(f"p{op}")
+            fetch.meta["zinf"] = {"schedule": {"op": op, "load_at": op - 1, "upload_at": op - 1,
+                                               "gather_at": op - 1, "bytes": nbytes}}
+            if size > 1:
+                fetch.meta["zinf"]["schedule"].update(bucket=b, bucket_index=i)
+            chains.append(Chain(fetch, fetch, fetch, op, nbytes))
+            op += 1
+    for c in chains:  # a bucket starts where its first member's gather would (_plan_buckets)
+        s = c.fetch.meta["zinf"]["schedule"]
+        if "bucket" in s:
+            first = min(d.fetch.meta["zinf"]["schedule"]["op"] for d in chains
+                        if d.fetch.meta["zinf"]["schedule"].get("bucket") == s["bucket"])
+            s.update(gather_at=first - 1, upload_at=first - 1, load_at=first - 1)
+    return chains
+
+
+def _starts(chains: list) -> List[int]:
+    return [c.fetch.meta["zinf"]["schedule"]["gather_at"] for c in chains]
+
+
+def test_a_bucket_starts_at_the_previous_groups_first_use():
+    """The gather of each group starts no later than the first use of the group before it (depth 1):
+    a bucket of three operators starts while the previous bucket's operators run, not one operator
+    before its own first use. A parameter gathered alone after another one keeps its one-operator
+    lookahead (the group before it is one operator)."""
+    from types import SimpleNamespace
+    from collections import Counter
+    from zinf_compile.passes.schedule import _plan_group_lookahead
+    ctx = SimpleNamespace(record=SimpleNamespace(counters=Counter()))
+    chains = _fake_chains([3, 3, 1, 3])  # ops 0-2, 3-5, 6, 7-9
+    _plan_group_lookahead(chains, 10, 1, None, ctx)
+    assert _starts(chains) == [-1, -1, -1, 0, 0, 0, 3, 6, 6, 6]
+    assert ctx.record.counters["group_lookahead"] == 2
+    ctx.record.counters.clear()
+    chains = _fake_chains([3, 1, 1, 3])  # ops 0-2, 3, 4, 5-7
+    _plan_group_lookahead(chains, 8, 1, None, ctx)
+    assert _starts(chains) == [-1, -1, -1, 0, 3, 4, 4, 4]
+    assert ctx.record.counters["group_lookahead"] == 1
+    for c in chains:  # the member's upload and load come no later than its gather
+        s = c.fetch.meta["zinf"]["schedule"]
+        assert s["load_at"] <= s["gather_at"] and s["upload_at"] <= s["gather_at"]
+    chains = _fake_chains([3, 3, 1, 3])
+    _plan_group_lookahead(chains, 10, 0, None, ctx)  # gather depth 0: the serial schedule stays serial
+    assert _starts(chains) == [-1, -1, -1, 2, 2, 2, 5, 6, 6, 6]
+
+
+def test_the_group_lookahead_keeps_inflight_bytes_under_the_cap():
+    from types import SimpleNamespace
+    from collections import Counter
+    from zinf_compile.passes.schedule import _plan_group_lookahead
+    ctx = SimpleNamespace(record=SimpleNamespace(counters=Counter()))
+    # two buckets of 3 x 100 bytes: the second one ahead while the first runs is 500 bytes at op 2
+    for cap, starts in ((None, [-1, -1, -1, 0, 0, 0]), (500, [-1, -1, -1, 0, 0, 0]), (499, [-1, -1, -1, 1, 1, 1]),
+                        (399, [-1, -1, -1, 2, 2, 2])):
+        chains = _fake_chains([3, 3])
+        _plan_group_lookahead(chains, 6, 1, cap, ctx)
+        assert _starts(chains) == starts, cap
+        spans = [(max(c.fetch.meta["zinf"]["schedule"]["gather_at"], 0), c.fetch.meta["zinf"]["schedule"]["op"])
+                 for c in chains]
+        peak = max(sum(100 for lo, op in spans if lo <= j < op) for j in range(6))
+        assert cap is None or peak <= cap, (cap, peak)
+    assert ctx.record.counters["group_lookahead_capped"] == 1
 
 
 def test_schedule_options_are_checked():

@@ -115,7 +115,11 @@ class Config:
         OS (``zinf_runtime.tiers.set_malloc_mmap_threshold`` has the measurements).
     prefetch_depths: ``(nvme, upload, gather)``: how many parameter-using operators ahead of its use
         each transfer of a parameter starts (the paper's NVMe->host for i+3, host->device for i+2,
-        all-gather for i+1). ``(0, 0, 0)`` is the serial schedule: every transfer waits at its use.
+        all-gather for i+1). With buckets the gather depth also counts collectives: a bucket's
+        all-gather starts no later than the first use of the bucket (or lone gather) ``gather``
+        groups before it, so the next block's bucket is exchanged while this block computes
+        (``passes/schedule.py``, ``_plan_group_lookahead``). ``(0, 0, 0)`` is the serial schedule:
+        every transfer waits at its use.
     reduce_depths: ``(reduce, offload)``: in backward, how many gradient-producing operators later
         the reduce-scatter of a gradient, and its offload (device->host, NVMe write), are waited for.
     max_inflight_bytes: cap on the bytes of parameters fetched ahead of their use at any point of a

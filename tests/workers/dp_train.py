@@ -58,6 +58,10 @@ def main(out_path: str, options_json: str, steps: int, global_batch: int, cfg_js
             for k, v in (snap.op_counts if snap else {}).items():
                 if "zinf" in k:
                     counts[f"{stage}:{k}"] = counts.get(f"{stage}:{k}", 0) + v
+    record_counters: dict = {}
+    for rec in zinf_compile.compile_records():
+        for k, v in rec.counters.items():
+            record_counters[k] = record_counters.get(k, 0) + v
     transfers = dict(zinf_runtime.handle_of(next(model.parameters())).context.transfers.counters)
     full = zinf_compile.full_state_dict(model, rank0_only=True)
     # an evaluation as Lightning's validation loop runs it: the whole global batch on every rank (the
@@ -74,6 +78,7 @@ def main(out_path: str, options_json: str, steps: int, global_batch: int, cfg_js
     if rank == 0:
         torch.save({"losses": losses, "grads": grads, "state": full, "shard_bytes": [int(s) for s in all_shards],
                     "total_param_bytes": total_param_bytes, "counts": counts, "transfers": transfers,
+                    "record_counters": record_counters,
                     "pool_allocations": pool_allocations, "eval_loss": eval_loss}, out_path)
     dist.barrier()
     dist.destroy_process_group()
