@@ -280,6 +280,7 @@ def _bucketed_vs_serial(tmp_path):
     assert reduce_buckets > 0 and reduce_buckets + single_reduces < reduce_waits, bucketed["counts"]
     # the buckets started one bucket ahead (_plan_group_lookahead), and the numbers above did not move
     assert bucketed["record_counters"].get("group_lookahead", 0) > 0, bucketed["record_counters"]
+    assert bucketed["record_counters"].get("reduce_group_wait_later", 0) > 0, bucketed["record_counters"]
     return serial, bucketed
 
 
@@ -378,6 +379,47 @@ def test_the_group_lookahead_keeps_inflight_bytes_under_the_cap():
         peak = max(sum(100 for lo, op in spans if lo <= j < op) for j in range(6))
         assert cap is None or peak <= cap, (cap, peak)
     assert ctx.record.counters["group_lookahead_capped"] == 1
+
+
+def _fake_reduces(groups: List[int], rd: int = 1, od: int = 2) -> list:
+    """reduce_grad nodes in gradient order, grouped into buckets as given, tagged as plan_schedule_pass
+    and _plan_reduce_buckets tag them (a bucket's members waited no earlier than its last gradient)."""
+    g = torch.fx.Graph()
+    nodes, j = [], 0
+    for b, size in enumerate(groups):
+        last = j + size - 1
+        for i in range(size):
+            n = g.placeholder(f"g{j}")
+            z = {"grad": j, "wait_at": j + rd, "offload_at": j + max(rd, od)}
+            if size > 1:
+                z.update(bucket=b, bucket_index=i, bucket_last=last, wait_at=max(j + rd, last),
+                         offload_at=max(j + max(rd, od), last))
+            n.meta["zinf"] = {"schedule": z}
+            nodes.append(n)
+            j += 1
+    return nodes
+
+
+def test_a_reduce_bucket_is_waited_for_after_the_next_groups_last_gradient():
+    """Before: every member of a bucket but the last was waited for at the bucket's own last gradient,
+    right after its collective started. Now the whole bucket waits until the next group's last
+    gradient exists (depth 1), its offload one group later (depth 2); the last groups at the end."""
+    from types import SimpleNamespace
+    from collections import Counter
+    from zinf_compile.passes.schedule import _plan_reduce_group_waits
+    ctx = SimpleNamespace(record=SimpleNamespace(counters=Counter()))
+    nodes = _fake_reduces([3, 1, 1, 3])  # gradients 0-2, 3, 4, 5-7
+    _plan_reduce_group_waits(nodes, 1, 2, ctx)
+    waits = [n.meta["zinf"]["schedule"]["wait_at"] for n in nodes]
+    offloads = [n.meta["zinf"]["schedule"]["offload_at"] for n in nodes]
+    assert waits == [3, 3, 3, 4, 7, 8, 8, 8], waits
+    assert offloads == [4, 4, 4, 7, 8, 8, 8, 9], offloads  # 8 and over: the graph's end
+    # every group moved: gradient 3's offload counts two groups (to 7), not two gradients (5)
+    assert ctx.record.counters["reduce_group_wait_later"] == 4
+    nodes = _fake_reduces([3, 3], rd=0, od=0)
+    before = [dict(n.meta["zinf"]["schedule"]) for n in nodes]
+    _plan_reduce_group_waits(nodes, 0, 0, ctx)  # depth 0: serial, untouched
+    assert [n.meta["zinf"]["schedule"] for n in nodes] == before
 
 
 def test_schedule_options_are_checked():

@@ -250,6 +250,20 @@ def _plan_buckets(chains: List[Chain], limit: int, ctx: CompileContext) -> None:
         ctx.record.counters["bucketed_gathers"] += len(run)
 
 
+def _groups(items: List[Any], buckets: List[Optional[int]]) -> List[List[Any]]:
+    """``items`` (in order) as collectives: the members of one bucket together, every other item alone."""
+    groups: List[List[Any]] = []
+    by_bucket: Dict[int, List[Any]] = {}
+    for item, b in zip(items, buckets):
+        if b is not None and b in by_bucket:
+            by_bucket[b].append(item)
+            continue
+        groups.append([item])
+        if b is not None:
+            by_bucket[b] = groups[-1]
+    return groups
+
+
 def _plan_group_lookahead(chains: List[Chain], n_ops: int, depth: int, cap: Optional[int],
                           ctx: CompileContext) -> None:
     """Start each gather group (a bucket, or a parameter gathered alone) no later than the first use
@@ -262,22 +276,12 @@ def _plan_group_lookahead(chains: List[Chain], n_ops: int, depth: int, cap: Opti
     ``options={"trace": ...}``). Pulled to the previous bucket's first use, those waits were gone
     and the step 4% faster, paired in one process (README "Buckets start one bucket ahead").
     A parameter gathered alone after another one already starts there (one operator ahead); after a
-    bucket it moves to that bucket's first use like a bucket would. The bytes fetched ahead stay under ``cap``:
-    a group that would push them over starts as late as fits, down to where it was."""
+    bucket it moves to that bucket's first use like a bucket would. The bytes fetched ahead stay
+    under ``cap``: a group that would push them over starts as late as fits, down to where it was."""
     if depth == 0:
         return
-    groups: List[List[Chain]] = []
-    by_bucket: Dict[int, List[Chain]] = {}
-    for c in chains:
-        if c.gather is None:
-            continue
-        b = c.fetch.meta["zinf"]["schedule"].get("bucket")
-        if b is not None and b in by_bucket:
-            by_bucket[b].append(c)
-            continue
-        groups.append([c])
-        if b is not None:
-            by_bucket[b] = groups[-1]
+    gathered = [c for c in chains if c.gather is not None]
+    groups = _groups(gathered, [c.fetch.meta["zinf"]["schedule"].get("bucket") for c in gathered])
 
     def sched(c: Chain) -> Dict[str, Any]:
         return c.fetch.meta["zinf"]["schedule"]
@@ -343,16 +347,7 @@ def _plan_reduce_group_waits(reduces: List[torch.fx.Node], rd: int, od: int, ctx
     after another one keeps its wait ``rd`` gradients later. Depth 0 stays serial."""
     if rd == 0:
         return
-    groups: List[List[torch.fx.Node]] = []
-    by_bucket: Dict[int, List[torch.fx.Node]] = {}
-    for n in reduces:
-        b = n.meta["zinf"]["schedule"].get("bucket")
-        if b is not None and b in by_bucket:
-            by_bucket[b].append(n)
-            continue
-        groups.append([n])
-        if b is not None:
-            by_bucket[b] = groups[-1]
+    groups = _groups(reduces, [n.meta["zinf"]["schedule"].get("bucket") for n in reduces])
     last = [max(n.meta["zinf"]["schedule"]["grad"] for n in g) for g in groups]
     end = max((n.meta["zinf"]["schedule"]["grad"] for n in reduces), default=-1) + 1
     for i, group in enumerate(groups):
