@@ -122,6 +122,8 @@ class Config:
         every transfer waits at its use.
     reduce_depths: ``(reduce, offload)``: in backward, how many gradient-producing operators later
         the reduce-scatter of a gradient, and its offload (device->host, NVMe write), are waited for.
+        With buckets counted in collectives too: a bucket is waited for once the last gradient of
+        the group ``reduce`` groups after it exists (``_plan_reduce_group_waits``).
     max_inflight_bytes: cap on the bytes of parameters fetched ahead of their use at any point of a
         graph (None: no cap); a prefetch that would exceed it starts later.
     bucket_bytes: coalesce the all-gathers of consecutive small parameters (dp > 1) into one collective
