@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+from collections import Counter
+from types import SimpleNamespace
 from typing import Dict, List, Tuple
 
 import pytest
@@ -22,6 +24,7 @@ from zinf_compile.models import GPT, GPTConfig, make_batch
 from zinf_compile.ops import (ALL_GATHER, FETCH_SHARD, GATHER, KEEP, LOAD, REDUCE, REDUCE_GRAD, RELEASE, UPLOAD,
                               WAIT_GATHER, WAIT_OFFLOAD, WAIT_REDUCE, WAIT_UPLOAD)
 from zinf_compile.passes._graph import alias_closure
+from zinf_compile.passes.schedule import Chain, _plan_group_lookahead, _plan_reduce_group_waits
 
 from conftest import zinf_full_grads
 from test_dp import run_dp
@@ -308,11 +311,15 @@ def test_dp2_scheduled_equals_serial(tmp_path):
     assert bucketed["counts"]["backward:zinf.wait_reduce.default"] == sched["counts"]["backward:zinf.wait_reduce.default"]
 
 
+def _planning_ctx() -> SimpleNamespace:
+    """What the group rules read of a CompileContext: the record's counters."""
+    return SimpleNamespace(record=SimpleNamespace(counters=Counter()))
+
+
 def _fake_chains(groups: List[List[int]], nbytes: int = 100) -> list:
     """Chains of a graph with one parameter-using operator per chain, grouped into buckets as given
     (a group of one is a parameter gathered alone), scheduled one operator ahead as
     plan_schedule_pass tags them before the group lookahead."""
-    from zinf_compile.passes.schedule import Chain
     g = torch.fx.Graph()
     chains, op = [], 0
     for b, size in enumerate(groups):
@@ -342,10 +349,7 @@ def test_a_bucket_starts_at_the_previous_groups_first_use():
     a bucket of three operators starts while the previous bucket's operators run, not one operator
     before its own first use. A parameter gathered alone after another one keeps its one-operator
     lookahead (the group before it is one operator)."""
-    from types import SimpleNamespace
-    from collections import Counter
-    from zinf_compile.passes.schedule import _plan_group_lookahead
-    ctx = SimpleNamespace(record=SimpleNamespace(counters=Counter()))
+    ctx = _planning_ctx()
     chains = _fake_chains([3, 3, 1, 3])  # ops 0-2, 3-5, 6, 7-9
     _plan_group_lookahead(chains, 10, 1, None, ctx)
     assert _starts(chains) == [-1, -1, -1, 0, 0, 0, 3, 6, 6, 6]
@@ -364,10 +368,7 @@ def test_a_bucket_starts_at_the_previous_groups_first_use():
 
 
 def test_the_group_lookahead_keeps_inflight_bytes_under_the_cap():
-    from types import SimpleNamespace
-    from collections import Counter
-    from zinf_compile.passes.schedule import _plan_group_lookahead
-    ctx = SimpleNamespace(record=SimpleNamespace(counters=Counter()))
+    ctx = _planning_ctx()
     # two buckets of 3 x 100 bytes: the second one ahead while the first runs is 500 bytes at op 2
     for cap, starts in ((None, [-1, -1, -1, 0, 0, 0]), (500, [-1, -1, -1, 0, 0, 0]), (499, [-1, -1, -1, 1, 1, 1]),
                         (399, [-1, -1, -1, 2, 2, 2])):
@@ -404,10 +405,7 @@ def test_a_reduce_bucket_is_waited_for_after_the_next_groups_last_gradient():
     """Before: every member of a bucket but the last was waited for at the bucket's own last gradient,
     right after its collective started. Now the whole bucket waits until the next group's last
     gradient exists (depth 1), its offload one group later (depth 2); the last groups at the end."""
-    from types import SimpleNamespace
-    from collections import Counter
-    from zinf_compile.passes.schedule import _plan_reduce_group_waits
-    ctx = SimpleNamespace(record=SimpleNamespace(counters=Counter()))
+    ctx = _planning_ctx()
     nodes = _fake_reduces([3, 1, 1, 3])  # gradients 0-2, 3, 4, 5-7
     _plan_reduce_group_waits(nodes, 1, 2, ctx)
     waits = [n.meta["zinf"]["schedule"]["wait_at"] for n in nodes]

@@ -52,16 +52,15 @@ def main(out_path: str, options_json: str, steps: int, global_batch: int, cfg_js
     all_shards = [torch.zeros_like(shard_bytes) for _ in range(world)]
     dist.all_gather(all_shards, shard_bytes)
     counts: dict = {}
+    record_counters: dict = {}
     for rec in zinf_compile.compile_records():
+        for k, v in rec.counters.items():
+            record_counters[k] = record_counters.get(k, 0) + v
         for stage in ("forward", "backward"):
             snap = rec.final(stage)
             for k, v in (snap.op_counts if snap else {}).items():
                 if "zinf" in k:
                     counts[f"{stage}:{k}"] = counts.get(f"{stage}:{k}", 0) + v
-    record_counters: dict = {}
-    for rec in zinf_compile.compile_records():
-        for k, v in rec.counters.items():
-            record_counters[k] = record_counters.get(k, 0) + v
     transfers = dict(zinf_runtime.handle_of(next(model.parameters())).context.transfers.counters)
     full = zinf_compile.full_state_dict(model, rank0_only=True)
     # an evaluation as Lightning's validation loop runs it: the whole global batch on every rank (the
