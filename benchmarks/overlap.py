@@ -46,6 +46,7 @@ batch where per-operator overhead dominates), and runs the rows at that batch.
     python benchmarks/overlap.py --balance --rows serial,scheduled,memory,transfer   # at the balanced batch
     python benchmarks/overlap.py --rows serial,memory,transfer --steps 3
     python benchmarks/overlap.py --trace /tmp/overlap-trace.json           # scheduled row writes a trace
+    python benchmarks/overlap.py --trace /tmp/t.json --trace-row overlap_opt  # ... or another NVMe row
     python benchmarks/overlap.py --quick --compiler eager --out /tmp/ob    # tiny model (smoke test)
 """
 from __future__ import annotations
@@ -96,7 +97,7 @@ def row_options(row: str, args: argparse.Namespace, nvme_path: str) -> Dict[str,
         opts["optimizer_sub_group_bytes"] = args.sub_group_bytes
     if row == "overlap_opt":
         opts["overlap_optimizer_step"] = True
-    elif row == "scheduled" and args.trace:  # scheduled: the defaults, plus the trace if asked for
+    if row == args.trace_row and args.trace:  # the defaults (+ overlap_optimizer_step), plus the trace
         opts["trace"] = os.path.abspath(args.trace)
         opts["trace_step"] = args.warmup + 1  # the first timed step (0 compiles, then the warm-up)
     return opts
@@ -218,7 +219,7 @@ def run_model_row(args: argparse.Namespace) -> Dict[str, Any]:
                 "peak_disk_bytes": io1["peak_disk_bytes"], "direct_io": io1["direct_io"],
                 "engines": io1["engines"], "file_sizes": sorted(io1["file_sizes"]),
             }
-        if args.trace and args.row == "scheduled":
+        if args.trace and args.row == args.trace_row:
             res["trace_path"] = os.path.abspath(args.trace)
         del cmodel, opt, model
         return res
@@ -360,7 +361,7 @@ def row_command(args: argparse.Namespace, row: str, out: str, extra: List[str]) 
     if args.nvme_path:
         cmd += ["--nvme-path", args.nvme_path]
     if args.trace:
-        cmd += ["--trace", args.trace]
+        cmd += ["--trace", args.trace, "--trace-row", args.trace_row]
     if args.optimizer_prefetch:
         cmd += ["--optimizer-prefetch", args.optimizer_prefetch]
     if args.read_cache_bytes is not None:
@@ -502,13 +503,13 @@ def report(args: argparse.Namespace, results: Dict[str, Dict[str, Any]], summary
                 (b["bytes_read_per_step"], b["bytes_written_per_step"]):
             lines.append("- NOTE: serial and scheduled moved different NVMe bytes per step (see the table)")
     if args.trace:
-        sched = results.get("scheduled")
+        sched = results.get(args.trace_row)
         if sched is None:
-            lines.append(f"- trace: --trace {args.trace} given, but the scheduled row did not run")
+            lines.append(f"- trace: --trace {args.trace} given, but the {args.trace_row} row did not run")
         elif meta.get("trace_exists"):
             lines.append(f"- trace: written by the runtime to {args.trace} ({meta['trace_bytes']} bytes)")
         else:
-            lines.append(f"- trace: option trace={args.trace} was passed to the scheduled row, but NO file "
+            lines.append(f"- trace: option trace={args.trace} was passed to the {args.trace_row} row, but NO file "
                          "appeared (the runtime does not write traces yet)")
     busy = [r for r, v in results.items() if max(v["foreign_cpu"], v.get("foreign_cpu_first", 0)) > 0.10]
     if busy:
@@ -563,7 +564,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sub-group-bytes", type=int, default=None, metavar="N",
                    help="option optimizer_sub_group_bytes of every NVMe row: the bytes the streamed step holds and "
                         "the cap of the optimizer's prefetch during backward (default: the Config's, 256 MiB)")
-    p.add_argument("--trace", default=None, metavar="PATH", help="pass option trace=PATH to the scheduled row")
+    p.add_argument("--trace", default=None, metavar="PATH", help="pass option trace=PATH to the --trace-row row")
+    p.add_argument("--trace-row", default="scheduled", choices=("serial", "scheduled", "overlap_opt"),
+                   help="the row --trace traces (default scheduled)")
     p.add_argument("--transfer-repeat", type=int, default=3, help="write+read runs of the transfer row (median)")
     p.add_argument("--row-timeout", type=float, default=3600, help="seconds before a row's process is killed")
     p.add_argument("--out", default=None, metavar="DIR", help="write NAME.json and NAME.md here")
