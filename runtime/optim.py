@@ -208,12 +208,14 @@ class ShardedOptimizerMixin:
         if "master" in e.shadows:
             old = u.master
             u.master = e.shadows.pop("master")
+            u.master.rehome(old.ctx)  # the model's trackers and cache from now on
             old.drop(keep_file=True)  # the next shadow takes this key again (optim_overlap._other_key)
         else:
             u.master.set(e.master)
             e.master = None
         slot = e.shadows.pop("optim", None)
         if slot is not None:
+            slot.rehome(u.context)
             u.optim_state.adopt(slot, e.shadow_layout)
         e.shadows = {}
         u.optim_small.update(e.new_state)

@@ -65,7 +65,6 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from . import packed_state, tiers
-from .read_cache import ReadCache
 from .transfer import Job, Lane
 
 #: optimizer tiers each feature applies to
@@ -125,20 +124,25 @@ def step_on_copies(optimizer: Any, gi: int, hp: Dict[str, Any], master: torch.Te
 
 
 class _PrivateWrites:
-    """The context a shadow slot writes through: the model's accounting and pool, its own write
-    tracker (shadows are flushed by the thread that wrote them, never by another thread's tracker)."""
+    """The context a shadow slot writes through until it is committed: the model's accounting, pool
+    and read cache, its own write tracker (shadows are flushed by the thread that wrote them, never
+    by another thread's tracker) and no write-back (a shadow is written at once).
+
+    The read cache is the model's: a shadow master's written value becomes its clean copy there,
+    so the next forward's fetch of the committed master reads no file (as the plain step's
+    write-through does). A shadow that is never committed is dropped, and its copy with it. Before
+    2026-12-07 the cache here was off and a committed shadow kept this context: every master a
+    speculative step had written was read from disk again by forward and backward, 268 of the
+    70M GPT's 1341 MiB read per step (``benchmarks/overlap.py --threads 1``, row overlap_opt).
+    ``ShardedOptimizerMixin._commit_shadows`` moves a committed shadow to the model's context."""
 
     def __init__(self, ctx: Any) -> None:
         self.accounting = ctx.accounting
         self.pool = ctx.pool
         self.writes = tiers.WriteTracker(cap_bytes=1 << 62)
         self.dirty = tiers.DirtyTracker()  # unused: shadows are written at once
-        # a committed shadow (the unit's master from then on) keeps nothing unwritten: each stepped value is
-        # evicted, so written, as soon as it is set (write-through, as the cache below is off)
-        self.kept = tiers.DirtyTracker(cap_bytes=0)
-        # off: a shadow holds a speculative value until committed, and one committed becomes the unit's
-        # master with this context, so its later reads and writes are not cached
-        self.read_cache = ReadCache(ctx.pool, cap_bytes=0)
+        self.kept = tiers.DirtyTracker(cap_bytes=0)  # a speculative value is never kept unwritten
+        self.read_cache = ctx.read_cache
 
 
 class Entry:

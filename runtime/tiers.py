@@ -459,6 +459,17 @@ class Slot:
         self._written = True
         self.ctx.writes.track(self)
 
+    def rehome(self, ctx: "RuntimeContext") -> None:
+        """Read and write through ``ctx`` from now on: a committed speculative shadow
+        (``runtime/optim_overlap.py``) joins its model's context, so its later writes are tracked,
+        kept in memory (write-back) and cached there like any other slot's. Nothing may be in
+        flight or held unwritten: the shadow's write was waited for before its commit."""
+        if self._pending is not None or self._dirty is not None:
+            raise RuntimeError(f"zinf: slot {self.key} moved to another context with a write in flight")
+        if ctx.read_cache is not self.ctx.read_cache:
+            self.ctx.read_cache.drop(self)  # a copy the old cache holds would never be read again
+        self.ctx = ctx
+
     def write_back(self) -> None:
         """Start writing the deferred value (the dirty tracker evicts it); a no-op without one."""
         data, pooled = self._dirty, self._dirty_pooled

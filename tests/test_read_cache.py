@@ -209,6 +209,27 @@ def test_a_taken_copy_belongs_to_its_taker(cached):
     assert torch.equal(s.get(), v1)
 
 
+def test_a_slot_moves_to_another_context_only_with_nothing_in_flight(cached):
+    """``Slot.rehome`` (a committed speculative shadow joining its model's context) refuses a slot
+    whose write is still in flight, whose buffer the old context's tracker would be left holding;
+    once written, the slot reads and writes through the new context."""
+    from zinf_runtime.context import RuntimeContext
+
+    ctx, _, s, _ = cached
+    other = RuntimeContext(name="read cache test, other")
+    v2 = torch.randn(1024)
+    s.set(v2)  # the write is in flight until a flush or a read waits for it
+    with pytest.raises(RuntimeError, match="write in flight"):
+        s.rehome(other)
+    s.flush()
+    assert len(ctx.read_cache) == 1  # the written value is the old context's copy (write-through) ...
+    s.rehome(other)
+    assert s.ctx is other and len(ctx.read_cache) == 0 and len(other.read_cache) == 0  # ... and goes with the move
+    assert torch.equal(s.get(), v2) and len(other.read_cache) == 0  # no cached copy there: read from disk
+    _fetch(s)
+    assert len(other.read_cache) == 1  # a fetch's copy is kept in the new context's cache
+
+
 def test_a_slot_dropped_under_a_fake_tensor_mode_frees_its_copy_and_accounting(cached):
     """A parameter's finalizer drops its slots whenever the garbage collector runs, e.g. in the
     middle of another model's compile, under its fake-tensor mode. Dropping the cached copy there
