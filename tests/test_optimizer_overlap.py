@@ -183,6 +183,22 @@ def test_lr_changed_between_backward_and_step_rolls_back(tier, tmp_path):
     assert stats.get("rolled_back", 0) > 0, stats
 
 
+@pytest.mark.parametrize("tier", ["nvme", "cpunvme"])
+def test_commits_and_rollbacks_alternate(tier, tmp_path):
+    """A unit committed at one step (its shadows now its slots, in the model's context) is stepped the
+    plain way at the next (lr changed: rolled back; the plain step keeps its master in memory), then
+    speculated and committed again: every step bitwise the plain step's."""
+    def lower_lr_every_other_step(opt, i):
+        if i % 2:
+            for g in opt.param_groups:
+                g["lr"] = g["lr"] * 0.5
+
+    ref, _, _ = train(tier, tmp_path, PLAIN, between=lower_lr_every_other_step, steps=6)
+    got, stats, _ = train(tier, tmp_path, OVERLAP, between=lower_lr_every_other_step, steps=6)
+    assert_bitwise(got, ref)
+    assert stats.get("committed", 0) > 0 and stats.get("rolled_back", 0) > 0, stats
+
+
 def test_lr_scheduler_after_step_commits(tmp_path):
     """The usual order (scheduler.step() after optimizer.step()) sets the next lr before the next
     backward: the speculation sees it and commits."""
