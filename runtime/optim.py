@@ -40,6 +40,10 @@ class _StepPlan:
     streamed: List[tuple[int, store.ParamHandle]] = field(default_factory=list)
 
 
+#: the optimizer state_dict entry that names whose shards the state holds (``ShardedOptimizerMixin.state_dict``)
+SHARDS_KEY = "zinf_shards"
+
+
 def base_step(cls: type) -> Callable:
     """The ``step`` of the torch optimizer class under the mixin, without torch's hook wrapper: hooks fire
     once per logical step (around the mixin's ``step``), not once per NVMe sub-group."""
@@ -383,10 +387,25 @@ class ShardedOptimizerMixin:
             start += len(group["params"])
         return out
 
+    def _shards_held(self) -> Optional[Dict[str, int]]:
+        """Whose shards this optimizer's state holds: the rank and size of its partitioned parameters'
+        dp group (None: it holds no partitioned parameter)."""
+        for group in self.param_groups:
+            for _, h in store.iter_handles(group["params"]):
+                return {"rank": h.rank, "world": h.world}
+        return None
+
     @outside_inference_mode  # runtime/modes.py: its buffers outlive the call
     def state_dict(self) -> Dict:  # type: ignore[override]
-        """torch's state dict; NVMe-resident moments are read into it (this rank's shards)."""
+        """torch's state dict; NVMe-resident moments are read into it (this rank's shards). Entry
+        ``SHARDS_KEY`` says whose shards they are, so that ``load_state_dict`` can refuse another
+        rank's: every rank's moments have the same shapes, and a loop that saves on rank 0 only (the
+        usual ``if rank == 0: torch.save(opt.state_dict(), f)``, accelerate's ``save_state``) would
+        otherwise give rank 1 rank 0's moments without a word."""
         sd = super().state_dict()  # type: ignore[misc]
+        held = self._shards_held()
+        if held is not None:
+            sd[SHARDS_KEY] = held
         memory_states = bool(sd["state"])
         added = False
         for idx, p in self._indexed_params():
@@ -410,7 +429,17 @@ class ShardedOptimizerMixin:
     @outside_inference_mode  # runtime/modes.py: its buffers outlive the call
     def load_state_dict(self, state_dict: Dict) -> None:  # type: ignore[override]
         """torch's ``load_state_dict``; a partitioned parameter's state goes back onto its optimizer tier
-        (fp32 moments on the master's device, or into its NVMe slots), not onto the compute device."""
+        (fp32 moments on the master's device, or into its NVMe slots), not onto the compute device.
+        A state dict of another rank's shards (``SHARDS_KEY``) is refused before anything changes."""
+        theirs, mine = state_dict.get(SHARDS_KEY), self._shards_held()
+        if theirs is not None and mine is not None and theirs != mine:
+            raise ValueError(
+                f"zinf: this optimizer state_dict holds the shards of rank {theirs['rank']} of {theirs['world']}, "
+                f"but this is rank {mine['rank']} of {mine['world']}: each rank's optimizer state is its own "
+                "shard of every moment. Save optimizer.state_dict() on every rank, each to a file of its own, "
+                "and load each rank's file on that rank at the same dp size; or checkpoint with "
+                "zinf_compile.save / zinf_compile.load, which reload at any dp size. Nothing was loaded.")
+        state_dict = {k: v for k, v in state_dict.items() if k != SHARDS_KEY}
         saved = dict(state_dict["state"])
         mine: Dict[int, tuple[torch.Tensor, store.ParamHandle, dict]] = {}
         for idx, p in self._indexed_params():

@@ -77,6 +77,12 @@ def test_dp2_training_loop_matches_eager(tmp_path, options):
             assert torch.equal(r0["reloaded"][k], v) and torch.equal(r1["reloaded"][k], v), k
     torch.testing.assert_close(r1["shift"], torch.zeros(7), rtol=0, atol=0)  # rank 0's buffer won
     torch.testing.assert_close(r1["scale_rank"], r0["scale_rank"], rtol=0, atol=0)  # replicas agree
+    # each rank's optimizer state names its shards; rank 0's state is refused on rank 1 and loses nothing
+    assert (r0["shards_key"], r1["shards_key"]) == ({"rank": 0, "world": 2}, {"rank": 1, "world": 2})
+    assert r0["rank0_load_error"] is None
+    assert "holds the shards of rank 0 of 2, but this is rank 1 of 2" in r1["rank0_load_error"]
+    assert "zinf_compile.save" in r1["rank0_load_error"]
+    assert r0["opt_state_unchanged"] and r1["opt_state_unchanged"]
 
 
 def test_dp2_plain_optimizer_averages_the_first_steps_replicated_gradient(tmp_path):

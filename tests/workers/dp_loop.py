@@ -10,6 +10,7 @@ Scenarios ``eval_alone`` / ``eval_vs_train``: rank 0 evaluates while rank 1 is i
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import time
@@ -97,6 +98,23 @@ def main(out_path: str, scenario: str, options_json: str, steps: int) -> None:
         model.load_state_dict(initial)  # each rank writes its own shard: back to the start
         result["reloaded"] = zinf_compile.full_state_dict(model)
         result["scale_rank"] = model.scale.detach().clone()
+        # the optimizer's state is this rank's shards: its own state dict loads back; rank 0's, as a loop
+        # that saves on rank 0 only would hand it to every rank, is refused on rank 1, changing nothing
+        osd = opt.state_dict()
+        result["shards_key"] = osd.get("zinf_shards")
+        rank0 = [osd if rank == 0 else None]
+        dist.broadcast_object_list(rank0, src=0)
+        before = copy.deepcopy(opt.state_dict())
+        opt.load_state_dict(osd)
+        try:
+            opt.load_state_dict(rank0[0])
+            result["rank0_load_error"] = None
+        except ValueError as exc:
+            result["rank0_load_error"] = str(exc)
+        after = opt.state_dict()
+        result["opt_state_unchanged"] = all(
+            torch.equal(v, after["state"][i][k]) for i, st in before["state"].items() for k, v in st.items()
+            if torch.is_tensor(v))
     elif scenario == "scaler":
         # rank 1's gradient shard overflows (as an fp16 overflow lands in whichever rank owns the element):
         # GradScaler must skip the step on every rank, or the replicas diverge
