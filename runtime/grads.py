@@ -88,10 +88,11 @@ class ShardedGrad(torch.Tensor):
                 "ends here too, its reducer writing every gradient: remove the wrapper, since zinf "
                 "reduce-scatters the gradients itself over torch.distributed's default group (option "
                 "process_group); with Lightning, pass Trainer(strategy=zinf_compile.lightning.ZinfStrategy()), "
-                "which runs the processes without the wrapper. The Hugging Face Trainer (through accelerate) "
-                "wraps the model in DistributedDataParallel whenever more than one process runs, which zinf "
-                "does not support yet: run the Trainer in one process, or write the training loop under "
-                "torchrun.")
+                "which runs the processes without the wrapper; with accelerate, leave the model out of "
+                "accelerator.prepare(...) and prepare the rest (optimizer, scheduler, data loaders). The "
+                "Hugging Face Trainer (through accelerate) wraps the model in DistributedDataParallel "
+                "whenever more than one process runs, which zinf does not support yet: run the Trainer in "
+                "one process, or write the training loop under torchrun or accelerate.")
         return func(*tree_map(_materialize, args), **tree_map(_materialize, kwargs))
 
 

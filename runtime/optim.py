@@ -431,11 +431,11 @@ class ShardedOptimizerMixin:
         """torch's ``load_state_dict``; a partitioned parameter's state goes back onto its optimizer tier
         (fp32 moments on the master's device, or into its NVMe slots), not onto the compute device.
         A state dict of another rank's shards (``SHARDS_KEY``) is refused before anything changes."""
-        theirs, mine = state_dict.get(SHARDS_KEY), self._shards_held()
-        if theirs is not None and mine is not None and theirs != mine:
+        theirs, here = state_dict.get(SHARDS_KEY), self._shards_held()
+        if theirs is not None and here is not None and theirs != here:
             raise ValueError(
                 f"zinf: this optimizer state_dict holds the shards of rank {theirs['rank']} of {theirs['world']}, "
-                f"but this is rank {mine['rank']} of {mine['world']}: each rank's optimizer state is its own "
+                f"but this is rank {here['rank']} of {here['world']}: each rank's optimizer state is its own "
                 "shard of every moment. Save optimizer.state_dict() on every rank, each to a file of its own, "
                 "and load each rank's file on that rank at the same dp size; or checkpoint with "
                 "zinf_compile.save / zinf_compile.load, which reload at any dp size. Nothing was loaded.")

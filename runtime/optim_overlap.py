@@ -132,8 +132,8 @@ class _PrivateWrites:
     so the next forward's fetch of the committed master reads no file (as the plain step's
     write-through does). A shadow that is never committed is dropped, and its copy with it. Before
     2026-12-07 the cache here was off and a committed shadow kept this context: every master a
-    speculative step had written was read from disk again by forward and backward, 268 of the
-    70M GPT's 1341 MiB read per step (``benchmarks/overlap.py --threads 1``, row overlap_opt).
+    speculative step had written was read from disk again by forward and backward (the 70M GPT of
+    ``benchmarks/overlap.py --threads 1``, row overlap_opt, read 1341 MiB a step; 981 MiB since).
     ``ShardedOptimizerMixin._commit_shadows`` moves a committed shadow to the model's context."""
 
     def __init__(self, ctx: Any) -> None:
