@@ -586,7 +586,10 @@ def wait(work: Any, op: str, group: ProcessGroup, *, what: Optional[str] = None)
                 "group; they did not arrive and none reported a failure. With dp > 1 every rank must call the "
                 "compiled model the same way (training and evaluation alike: evaluate on every rank, each on "
                 "its share of the data), or evaluate an eager copy built from zinf_compile.full_state_dict(model) "
-                "on one rank. (ZINF_COLLECTIVE_TIMEOUT_S sets the wait.)")
+                "on one rank. Reading the model is collective too: call model.state_dict(), "
+                "zinf_compile.full_state_dict and reads of param.grad on every rank (full_state_dict's "
+                "rank0_only=True still needs every rank; rank 0 alone gets the tensors). "
+                "(ZINF_COLLECTIVE_TIMEOUT_S sets the wait.)")
 
 
 def _wait_polling_completion(work: Any, op: str, group: ProcessGroup, what: str) -> None:
@@ -607,7 +610,8 @@ def _wait_polling_completion(work: Any, op: str, group: ProcessGroup, what: str)
         if now - t0 >= timeout:
             raise CollectiveTimeoutError(
                 f"zinf: rank {rank(group)} waited {now - t0:.0f} s for the other ranks of its dp group to run "
-                f"{what}; they did not. With dp > 1 every rank must call the compiled model the same way. "
+                f"{what}; they did not. With dp > 1 every rank must call the compiled model the same way, and "
+                "read it (model.state_dict(), zinf_compile.full_state_dict, param.grad) on every rank. "
                 "(ZINF_COLLECTIVE_TIMEOUT_S sets the wait.)")
     work.wait()
 

@@ -109,6 +109,18 @@ def test_dp2_evaluating_on_one_rank_raises_instead_of_hanging(tmp_path):
     assert r0["seconds"] < 60
 
 
+@pytest.mark.slow
+def test_dp2_state_dict_on_one_rank_raises_naming_it(tmp_path):
+    """``model.state_dict()`` gathers every shard: on rank 0 alone, while rank 1 trains on, both wait
+    for the other and stop after the collective timeout; rank 0's error says reading is collective."""
+    proc, (r0, r1) = torchrun(tmp_path, "state_dict_alone", {"compiler": "eager"}, steps=1,
+                              env={"ZINF_COLLECTIVE_TIMEOUT_S": "8"})
+    for r in (r0, r1):
+        assert r is not None, proc.stdout[-3000:] + proc.stderr[-6000:]
+        assert r["error"] is not None and r["seconds"] < 60, r
+    assert "call model.state_dict()" in r0["error"] and "on every rank" in r0["error"], r0
+
+
 def test_dp2_ranks_in_different_graph_modes_raise(tmp_path):
     proc, (r0, r1) = torchrun(tmp_path, "eval_vs_train", {"compiler": "eager"}, steps=1)
     for r in (r0, r1):

@@ -137,10 +137,12 @@ def main(out_path: str, scenario: str, options_json: str, steps: int) -> None:
         opt.step(); model.zero_grad()
         t0 = time.time()
         try:
-            if rank == 0:
+            if rank == 0 and scenario == "state_dict_alone":
+                model.state_dict()  # collective at dp > 1, called on rank 0 only (rank 1 trains on)
+            elif rank == 0:
                 with torch.no_grad():
                     cnet(x)
-            elif scenario == "eval_vs_train":
+            elif scenario in ("eval_vs_train", "state_dict_alone"):
                 loss_of(cnet(x), model.scale, y).backward()
             else:
                 time.sleep(float(sys.argv[5]))
