@@ -26,17 +26,13 @@ import torch
 
 pytest.importorskip("accelerate", reason="accelerate is installed by `make setup`")
 sys.path.insert(0, os.path.dirname(__file__))
-from _torchrun import torchrun  # noqa: E402
+from _torchrun import run_modes  # noqa: E402
 
 pytestmark = pytest.mark.parity
 
 
 def test_accelerate_loop_at_dp2_matches_ddp_and_refuses_rank0s_optimizer_state(tmp_path):
-    runs = {}
-    for mode in ("zinf", "eager"):
-        proc = torchrun("accelerate_dp.py", mode, str(tmp_path / mode), timeout=300)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-        runs[mode] = [torch.load(tmp_path / mode / f"result{r}.pt") for r in range(2)]
+    runs = run_modes("accelerate_dp.py", tmp_path)
     tol = dict(rtol=1e-6, atol=1e-7)
     for z, e in zip(runs["zinf"], runs["eager"]):
         assert len(z["losses"]) == len(e["losses"]) == 8 and len(z["norms"]) == len(e["norms"]) == 4

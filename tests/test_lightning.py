@@ -183,13 +183,9 @@ def test_lightning_at_dp2_with_zinf_strategy_matches_ddp(tmp_path):
     neighbouring fp32 value once a step: 6 ulps of |p| over 6 steps (``rtol=1e-6``). A first step
     whose replicated gradient was not averaged moved ``scale`` by 3e-6 and the losses by 1e-5."""
     sys.path.insert(0, os.path.dirname(__file__))
-    from _torchrun import torchrun
+    from _torchrun import run_modes
 
-    runs = {}
-    for mode in ("zinf", "eager"):
-        proc = torchrun("lightning_dp.py", mode, str(tmp_path / mode), timeout=300)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-        runs[mode] = [torch.load(tmp_path / mode / f"result{r}.pt") for r in range(2)]
+    runs = run_modes("lightning_dp.py", tmp_path)
     tol = dict(rtol=1e-6, atol=1e-7)
     for z, e in zip(runs["zinf"], runs["eager"]):
         assert len(z["train"]) == len(e["train"]) == 6 and len(z["val"]) == len(e["val"]) == 6
