@@ -83,6 +83,7 @@ def _constructor_state(cls: type, defaults: dict, params: list) -> defaultdict:
 
 def check_elementwise(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     """Refuse, by behaviour, an optimizer whose update of a tensor is not elementwise (see module doc)."""
+    optimizer = unwrap_optimizer(optimizer)
     cls = type(optimizer)
     hparams = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     key = (cls, repr(hparams), str(device))
@@ -105,9 +106,10 @@ def check_elementwise(optimizer: torch.optim.Optimizer, device: torch.device) ->
         def run(parts: int) -> torch.Tensor:
             params = [torch.nn.Parameter(c.clone().to(device)) for c in
                       ([w] if parts == 1 else list(w.reshape(-1).chunk(parts)))]
+            # a copy whose own attributes are replaced, never written through a property to the original
             probe = copy.copy(optimizer)
-            probe.state = _constructor_state(cls, optimizer.defaults, params)
-            probe.param_groups = [dict(hp, params=params)]
+            probe.__dict__["state"] = _constructor_state(cls, optimizer.defaults, params)
+            probe.__dict__["param_groups"] = [dict(hp, params=params)]
             for g in grads:
                 pieces = [g] if parts == 1 else list(g.reshape(-1).chunk(parts))
                 for p, gp in zip(params, pieces):
@@ -244,11 +246,32 @@ def post_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> No
     transfer.optimizer_step_done(optimizer, optimizer.__dict__.pop("_zinf_t0", time.perf_counter()))
 
 
+def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer under a training framework's wrapper: accelerate's ``AcceleratedOptimizer``
+    (``.optimizer``), Lightning's ``LightningOptimizer`` (``._optimizer``); ``optimizer`` itself when
+    it wraps nothing.
+
+    Why: such a wrapper forwards ``param_groups`` and ``state`` to the optimizer it wraps, setters
+    included, and its ``step`` calls that optimizer's. Converted or probed in its place, the wrapper
+    had its class changed, and the elementwise probe, built as a copy of it, wrote its 4x6 test
+    tensor's halves into the user's ``param_groups`` (seen as ``zinf_compile.load(..., optimizer)``
+    with accelerate's prepared optimizer: the optimizer then held two (12,) tensors)."""
+    for _ in range(8):  # wrappers of wrappers, never a cycle
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            inner = getattr(optimizer, "_optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer
+
+
 def sharded(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Convert now (checked like a first step) instead of at the first step; returns the optimizer."""
-    first = next((h for _, h in store.iter_handles([p for g in optimizer.param_groups for p in g["params"]])),
-                 None)
-    check_elementwise(optimizer, first.placement.storage_device() if first else torch.device("cpu"))
-    if not isinstance(optimizer, ShardedOptimizerMixin):
-        convert(optimizer)
+    """Convert now (checked like a first step) instead of at the first step; returns ``optimizer`` (a
+    framework's wrapper as given: the optimizer it wraps is the one converted)."""
+    real = unwrap_optimizer(optimizer)
+    first = next((h for _, h in store.iter_handles([p for g in real.param_groups for p in g["params"]])), None)
+    check_elementwise(real, first.placement.storage_device() if first else torch.device("cpu"))
+    if not isinstance(real, ShardedOptimizerMixin):
+        convert(real)
     return optimizer

@@ -149,6 +149,14 @@ def _progress(total: int, what: str) -> Optional[Callable[[int], None]]:
 
 
 @outside_inference_mode  # zinf_runtime.modes: a save from a validation-end callback
+def _real_optimizer(optimizer: Optional[torch.optim.Optimizer]) -> Optional[torch.optim.Optimizer]:
+    """The optimizer under a framework's wrapper (accelerate's prepared optimizer, Lightning's): its
+    state and class are the ones to save, load and convert (``zinf_runtime.optim_adapt.unwrap_optimizer``)."""
+    from zinf_runtime.optim_adapt import unwrap_optimizer
+
+    return None if optimizer is None else unwrap_optimizer(optimizer)
+
+
 def save(path: "str | os.PathLike", model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
          *, extra: Optional[Dict[str, Any]] = None) -> str:
     """Write ``model``'s (and ``optimizer``'s) state to the directory ``path``, atomically; collective.
@@ -168,7 +176,7 @@ def save(path: "str | os.PathLike", model: torch.nn.Module, optimizer: Optional[
         os.makedirs(tmp)
 
     _from_rank0(prepare)
-    state, pieces, total = build_save_state(unwrap(model), optimizer, extra, FORMAT_VERSION)
+    state, pieces, total = build_save_state(unwrap(model), _real_optimizer(optimizer), extra, FORMAT_VERSION)
     writer = FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True)
     from ._ckpt_layout import SavePlanner
 
@@ -244,7 +252,7 @@ def load(path: "str | os.PathLike", model: torch.nn.Module, optimizer: Optional[
             ctx.__exit__(None, None, None)
 
     metadata = reader_factory().read_metadata()
-    return load_into(model, optimizer, options, metadata, run, found, FORMAT_VERSION, _progress)
+    return load_into(model, _real_optimizer(optimizer), options, metadata, run, found, FORMAT_VERSION, _progress)
 
 
 @outside_inference_mode  # zinf_runtime.modes: its reads fill the runtime's buffers

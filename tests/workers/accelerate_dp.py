@@ -6,11 +6,13 @@ everything else is the same loop: ``accumulate`` over two micro-batches, ``backw
 ``clip_grad_norm_`` on the synchronizing micro-batch, the scheduler, ``zero_grad``. Then
 ``save_state`` (the main process writes the optimizer, as accelerate does) and ``load_state`` on every
 rank: zinf's optimizer state is rank 0's shards, which rank 1 must refuse with the error naming the fix.
-Writes ``result{rank}.pt`` under OUT.
+The zinf loop also saves and loads its own checkpoint (``zinf_compile.save`` / ``load``) through the
+prepared optimizer, which wraps zinf's. Writes ``result{rank}.pt`` under OUT.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 
@@ -48,6 +50,21 @@ def main(mode: str, out: str) -> None:
     result["params"] = zinf_compile.full_state_dict(model) if mode == "zinf" else \
         {k: v.detach().clone() for k, v in model.state_dict().items()}
     result["lr"] = sched.get_last_lr()[0]
+    if mode == "zinf":  # zinf's own checkpoint through the prepared (wrapped) optimizer: a round trip
+        before = copy.deepcopy(opt.state_dict())
+        path = os.path.join(out, "zinf_ckpt")
+        zinf_compile.save(path, model, opt)
+        zinf_compile.load(path, model, opt)
+        after = opt.state_dict()
+        result["roundtrip"] = {
+            "groups_hold_the_model": [id(p) for g in opt.param_groups for p in g["params"]]
+            == [id(p) for p in model.parameters()],
+            "wrapper_class": type(opt).__name__,
+            "params": zinf_compile.full_state_dict(model),
+            "state_equal": before["state"].keys() == after["state"].keys() and all(
+                torch.equal(v, after["state"][i][k]) for i, st in before["state"].items() for k, v in st.items()
+                if torch.is_tensor(v)),
+        }
     ckpt = os.path.join(out, "state")
     acc.save_state(ckpt)
     acc.wait_for_everyone()
