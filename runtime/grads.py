@@ -91,8 +91,8 @@ class ShardedGrad(torch.Tensor):
                 "which runs the processes without the wrapper; with accelerate, leave the model out of "
                 "accelerator.prepare(...) and prepare the rest (optimizer, scheduler, data loaders). The "
                 "Hugging Face Trainer (through accelerate) wraps the model in DistributedDataParallel "
-                "whenever more than one process runs, which zinf does not support yet: run the Trainer in "
-                "one process, or write the training loop under torchrun or accelerate.")
+                "whenever more than one process runs: use zinf_compile.hf.ZinfTrainer, the Trainer without "
+                "the wrapper and with sharded checkpoints.")
         return func(*tree_map(_materialize, args), **tree_map(_materialize, kwargs))
 
 

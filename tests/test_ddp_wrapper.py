@@ -26,10 +26,11 @@ def test_a_ddp_wrapper_gets_an_error_naming_it_and_the_fix(order):
 
 @pytest.mark.slow
 def test_the_hf_trainer_at_dp2_gets_the_error_naming_it(tmp_path):
-    """accelerate wraps the model in DDP once two processes run: the README's Trainer recipe at dp 2
-    must stop with the error that names the Trainer and what to do instead (about 40 s)."""
+    """accelerate wraps the model in DDP once two processes run: the plain Trainer at dp 2 must stop
+    with the error that names it and what to use instead, ZinfTrainer (about 40 s)."""
     pytest.importorskip("transformers", reason="transformers is installed by `make setup`")
     proc = _torchrun("hf_trainer_dp.py", str(tmp_path), timeout=300)
     assert proc.returncode != 0
     assert "DistributedDataParallel (or FSDP) wrapper around a zinf model" in proc.stderr, proc.stderr[-4000:]
     assert "The Hugging Face Trainer (through accelerate) wraps the model" in proc.stderr
+    assert "use zinf_compile.hf.ZinfTrainer" in proc.stderr
