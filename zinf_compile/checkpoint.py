@@ -148,7 +148,6 @@ def _progress(total: int, what: str) -> Optional[Callable[[int], None]]:
     return bar.update
 
 
-@outside_inference_mode  # zinf_runtime.modes: a save from a validation-end callback
 def _real_optimizer(optimizer: Optional[torch.optim.Optimizer]) -> Optional[torch.optim.Optimizer]:
     """The optimizer under a framework's wrapper (accelerate's prepared optimizer, Lightning's): its
     state and class are the ones to save, load and convert (``zinf_runtime.optim_adapt.unwrap_optimizer``)."""
@@ -157,6 +156,7 @@ def _real_optimizer(optimizer: Optional[torch.optim.Optimizer]) -> Optional[torc
     return None if optimizer is None else unwrap_optimizer(optimizer)
 
 
+@outside_inference_mode  # zinf_runtime.modes: a save from a validation-end callback
 def save(path: "str | os.PathLike", model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
          *, extra: Optional[Dict[str, Any]] = None) -> str:
     """Write ``model``'s (and ``optimizer``'s) state to the directory ``path``, atomically; collective.
