@@ -41,8 +41,9 @@ goal's margin; interleaved steps see the same machine (``benchmarks/_interleaved
 Rows run in ``RUN_ORDER``, each goal's two rows side by side (the table keeps its own order).
 
 Reported per row: the median of the timed steps (``DEFAULT_STEPS``: 10 at 25M, 5 at 124M; after the
-first step and ``--warmup`` steps), the CPU seconds a timed step cost (user + system, every thread, summed over ranks; each goal line shows
-the two rows' ratio of it beside the verdict, which stays the step time's), the first step (includes
+first step and ``--warmup`` steps), the CPU seconds a timed step cost (user + system, every thread,
+summed over ranks; each goal line shows the two rows' ratio of it beside the verdict, which stays the
+step time's), the first step (includes
 compilation), peak RSS as the sum over ranks and the largest rank (each rank's
 ``VmHWM``; the torchrun launcher is not counted), the last loss, and ratios against Inductor. A row
 that fails keeps its place with its error's first line. Results merge by (size, row) into

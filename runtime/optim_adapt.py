@@ -82,8 +82,8 @@ def _constructor_state(cls: type, defaults: dict, params: list) -> defaultdict:
 
 
 def check_elementwise(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Refuse, by behaviour, an optimizer whose update of a tensor is not elementwise (see module doc)."""
-    optimizer = unwrap_optimizer(optimizer)
+    """Refuse, by behaviour, an optimizer whose update of a tensor is not elementwise (see module doc).
+    ``optimizer`` is the torch optimizer itself, not a framework's wrapper (``sharded`` unwraps)."""
     cls = type(optimizer)
     hparams = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     key = (cls, repr(hparams), str(device))
@@ -246,10 +246,10 @@ def post_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> No
     transfer.optimizer_step_done(optimizer, optimizer.__dict__.pop("_zinf_t0", time.perf_counter()))
 
 
-def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def unwrap_optimizer(optimizer: Optional[torch.optim.Optimizer]) -> Optional[torch.optim.Optimizer]:
     """The torch optimizer under a training framework's wrapper: accelerate's ``AcceleratedOptimizer``
     (``.optimizer``), Lightning's ``LightningOptimizer`` (``._optimizer``); ``optimizer`` itself when
-    it wraps nothing.
+    it wraps nothing (None stays None).
 
     Why: such a wrapper forwards ``param_groups`` and ``state`` to the optimizer it wraps, setters
     included, and its ``step`` calls that optimizer's. Converted or probed in its place, the wrapper

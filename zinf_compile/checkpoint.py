@@ -36,6 +36,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from zinf_runtime.modes import outside_inference_mode
+from zinf_runtime.optim_adapt import unwrap_optimizer  # a framework's wrapper: its optimizer is saved, loaded
 
 from ._ckpt_load import load_into
 from ._ckpt_reader import FastReader
@@ -148,14 +149,6 @@ def _progress(total: int, what: str) -> Optional[Callable[[int], None]]:
     return bar.update
 
 
-def _real_optimizer(optimizer: Optional[torch.optim.Optimizer]) -> Optional[torch.optim.Optimizer]:
-    """The optimizer under a framework's wrapper (accelerate's prepared optimizer, Lightning's): its
-    state and class are the ones to save, load and convert (``zinf_runtime.optim_adapt.unwrap_optimizer``)."""
-    from zinf_runtime.optim_adapt import unwrap_optimizer
-
-    return None if optimizer is None else unwrap_optimizer(optimizer)
-
-
 @outside_inference_mode  # zinf_runtime.modes: a save from a validation-end callback
 def save(path: "str | os.PathLike", model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
          *, extra: Optional[Dict[str, Any]] = None) -> str:
@@ -176,7 +169,7 @@ def save(path: "str | os.PathLike", model: torch.nn.Module, optimizer: Optional[
         os.makedirs(tmp)
 
     _from_rank0(prepare)
-    state, pieces, total = build_save_state(unwrap(model), _real_optimizer(optimizer), extra, FORMAT_VERSION)
+    state, pieces, total = build_save_state(unwrap(model), unwrap_optimizer(optimizer), extra, FORMAT_VERSION)
     writer = FileSystemWriter(tmp, sync_files=True, single_file_per_rank=True)
     from ._ckpt_layout import SavePlanner
 
@@ -252,7 +245,7 @@ def load(path: "str | os.PathLike", model: torch.nn.Module, optimizer: Optional[
             ctx.__exit__(None, None, None)
 
     metadata = reader_factory().read_metadata()
-    return load_into(model, _real_optimizer(optimizer), options, metadata, run, found, FORMAT_VERSION, _progress)
+    return load_into(model, unwrap_optimizer(optimizer), options, metadata, run, found, FORMAT_VERSION, _progress)
 
 
 @outside_inference_mode  # zinf_runtime.modes: its reads fill the runtime's buffers
